@@ -1,0 +1,483 @@
+"""
+The GPT-2 baseline and the Gated Recurrent Transformer (GRT), side by side.
+
+Both models are built from the same Block (pre-LN attention + MLP). GPT stacks n_layer unique
+blocks. GRT runs a prelude of unique blocks, then one shared core of blocks R times under a gated
+update (the paper's Eq. 2-5, all in GRT.recurrence_step), then a coda of unique blocks:
+
+    e = Prelude(wte(x) + wpe(pos));  h = e
+    repeat r times:  u = W_proj [h + eps_x ; e]                         (Eq. 2)
+                     o = Core(u)                                         (Eq. 3)
+                     g = sigmoid(f_g([LN(h) ; LN(e)]) / tau + eps_g)     (Eq. 5)
+                     h = g * h + (1 - g) * o                             (Eq. 4)
+    logits = lm_head(ln_f(Coda(h)))
+
+References: nanoGPT (Karpathy) for the GPT-2 side; the GRT paper for the recurrence.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
+
+    def __post_init__(self):
+        for name in ('block_size', 'vocab_size', 'n_head', 'n_embd'):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                             f"pick n_head from the divisors of n_embd")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class GRTConfig(GPTConfig):
+    n_layer: int = None  # derived: n_prelude + n_core + n_coda unique blocks
+    n_prelude: int = 1
+    n_core: int = 1
+    n_coda: int = 1
+    n_recur: int = 10  # R: recurrence steps at eval; training samples r ~ Uniform{1..R}
+    state_noise: float = 0.1  # std of eps_x, Eq. 2
+    gate_noise: float = 0.1  # std of eps_g, Eq. 5
+    gate_bias: float = 4.0  # initial bias of f_g's last Linear: g ~ sigmoid(4) = 0.98 keeps h at first
+    gate_tau: float = 1.0  # temperature tau of Eq. 5
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_core < 1:
+            raise ValueError(f"n_core must be >= 1 (the shared core is the recurrence), got {self.n_core}")
+        if self.n_prelude < 0 or self.n_coda < 0:
+            raise ValueError(f"n_prelude and n_coda must be >= 0, got {self.n_prelude} and {self.n_coda}")
+        if self.n_recur < 1:
+            raise ValueError(f"n_recur (R) must be >= 1, got {self.n_recur}")
+        if self.gate_tau <= 0:
+            raise ValueError(f"gate_tau must be > 0, got {self.gate_tau}")
+        unique = self.n_prelude + self.n_core + self.n_coda
+        if self.n_layer is not None and self.n_layer != unique:
+            raise ValueError(f"n_layer={self.n_layer} conflicts with n_prelude + n_core + n_coda = {unique}; "
+                             f"leave n_layer out, it is derived")
+        self.n_layer = unique
+
+
+def config_fields(config_class):
+    """The names a config class accepts (used by the scripts to validate model arguments)."""
+    return [f.name for f in fields(config_class)]
+
+
+# -----------------------------------------------------------------------------
+# The shared building blocks
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one attention layer at one depth.
+
+    The buffer is allocated once for max_len tokens on first use, so decoding never reallocates
+    (and peak memory is the cache plus activations, not a growing chain of concatenations).
+    """
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.k = self.v = None
+        self.length = 0
+
+    def update(self, k, v):
+        """Append k, v of shape (B, n_head, T, head_size); return all keys and values so far."""
+        if self.k is None:
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty(shape)
+        start, end = self.length, self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; cannot append up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x, cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.update(k, v)
+        dropout_p = self.dropout if self.training else 0.0
+        if past == 0:  # no earlier tokens: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        elif T == 1:  # one new token sees every cached token and itself
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        else:  # several new tokens after a cached prefix: the causal mask is offset by `past`
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate='tanh')  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block, the one block every model in this file is made of."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+# -----------------------------------------------------------------------------
+# What every language model here shares: embeddings, tied head, loss, init, generation
+
+
+class LanguageModel(nn.Module):
+    """Token and position embeddings -> body (defined by the subclass) -> ln_f -> tied LM head."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def _finish_init(self, residual_depth):
+        """Tie the head, then GPT-2 init: N(0, 0.02), residual projections by 1/sqrt(2 * depth)
+        (two residual additions per block, so the residual stream's variance stays bounded)."""
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith('c_proj.weight'):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * residual_depth))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Unique parameters (the tied head once). non_embedding drops both embedding tables, as
+        nanoGPT drops the position table; the token table is counted as the head's when False."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields tied weights once
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
+        """idx (B, T) -> (logits, loss). Logits at every position when targets are given (loss
+        ignores target -1), else at the last position only. kv_cache (from new_kv_cache) holds the
+        earlier tokens: idx are then the tokens after them."""
+        B, T = idx.size()
+        start = kv_cache[0].length if kv_cache else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}; "
+                             f"crop the context to its last {self.config.block_size} tokens")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.body(x, num_steps, kv_cache)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def compile_regions(self, **compile_kwargs):
+        """torch.compile each block once instead of the whole model: the Python depth loop stays
+        outside compiled code, so a new r (or a new layout) never triggers a recompile."""
+        for block in self.modules():
+            if isinstance(block, Block):
+                block.compile(**compile_kwargs)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None, use_cache=True):
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 is greedy.
+
+        With the KV cache each new token costs one position's forward pass. Once the context
+        exceeds block_size it is cropped to its last block_size tokens, as nanoGPT does, and the
+        cache is rebuilt from that window: every token's learned absolute position shifts by one
+        when the window slides, so no rolling cache could give the same result."""
+        block_size = self.config.block_size
+        kv_cache = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits, _ = self(idx[:, -block_size:], num_steps=num_steps)
+            elif kv_cache is not None and kv_cache[0].length < block_size:
+                logits, _ = self(idx[:, -1:], num_steps=num_steps, kv_cache=kv_cache)
+            else:  # first step, or the window is full and slides: (re)build the cache
+                context = idx[:, -block_size:]
+                kv_cache = self.new_kv_cache(min(block_size, context.size(1) + max_new_tokens), num_steps)
+                logits, _ = self(context, num_steps=num_steps, kv_cache=kv_cache)
+            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+        return idx
+
+    def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
+        """Model FLOPs utilisation: training FLOPs (forward + backward = 3x forward) achieved per
+        second over peak_flops. num_steps is the depth the iteration ran (GRT: mean r if mixed)."""
+        flops = 3 * self.flops_per_token(seq_len, num_steps) * tokens_per_iter
+        return flops / dt / peak_flops
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; weight decay on matrices (>= 2-D: Linears and embeddings), none on biases and norms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{'params': decay, 'weight_decay': weight_decay},
+                  {'params': no_decay, 'weight_decay': 0.0}]
+        fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type in ('cuda', 'cpu')
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+
+
+def sample_next(logits, temperature=1.0, top_k=None):
+    """Draw one token per row from (B, vocab) logits; temperature 0 means greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2
+
+
+class GPT(LanguageModel):
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self._finish_init(residual_depth=config.n_layer)
+
+    def body(self, x, num_steps=None, kv_cache=None):
+        """n_layer unique blocks. num_steps is accepted for a uniform interface and ignored."""
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_cache[i] if kv_cache else None)
+        return x
+
+    def new_kv_cache(self, max_len, num_steps=None):
+        return [KVCache(max_len) for _ in self.transformer.h]
+
+    def flops_per_token(self, seq_len, num_steps=None):
+        """Forward FLOPs per token, LM head excluded: per layer 24 d^2 (weights) + 4 S d (attention)."""
+        d = self.config.n_embd
+        return self.config.n_layer * (24 * d * d + 4 * seq_len * d)
+
+    @classmethod
+    def from_pretrained(cls, name_or_model, dropout=0.0):
+        """Load GPT-2 weights: a name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or a
+        Hugging Face GPT2LMHeadModel instance. transformers is needed only here."""
+        if isinstance(name_or_model, str):
+            try:
+                from transformers import GPT2LMHeadModel
+            except ImportError:
+                raise ImportError("loading pretrained GPT-2 needs transformers: pip install transformers") from None
+            hf = GPT2LMHeadModel.from_pretrained(name_or_model)
+        else:
+            hf = name_or_model
+        c = hf.config
+        model = cls(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                              n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True))
+        sd, sd_hf = model.state_dict(), hf.state_dict()
+        # HF stores these as Conv1D, i.e. (in, out): transpose them into our Linears
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        keys = [k for k in sd if k != 'lm_head.weight']  # tied to wte
+        for k in keys:
+            w = sd_hf[k]
+            with torch.no_grad():
+                sd[k].copy_(w.t() if k.endswith(transposed) else w)
+        return model
+
+
+# -----------------------------------------------------------------------------
+# The Gated Recurrent Transformer
+
+
+class GRT(LanguageModel):
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.n_embd
+        self.transformer.prelude = nn.ModuleList([Block(config) for _ in range(config.n_prelude)])
+        self.transformer.core = nn.ModuleList([Block(config) for _ in range(config.n_core)])
+        self.transformer.coda = nn.ModuleList([Block(config) for _ in range(config.n_coda)])
+        self.proj = nn.Linear(2 * d, d, bias=config.bias)  # W_proj of Eq. 2
+        self.ln_h = nn.LayerNorm(d, bias=config.bias)  # the two LayerNorms of Eq. 5
+        self.ln_e = nn.LayerNorm(d, bias=config.bias)
+        # f_g of Eq. 5; its last Linear always has a bias, because Eq. 5's +4 initialisation lives there
+        self.gate = nn.Sequential(nn.Linear(2 * d, d, bias=config.bias), nn.SiLU(), nn.Linear(d, d))
+        # Residual scaling counts the blocks a token passes through at eval depth R, not the
+        # unique ones: every core pass adds to the residual stream again.
+        self._finish_init(residual_depth=config.n_prelude + config.n_core * config.n_recur + config.n_coda)
+        nn.init.constant_(self.gate[-1].bias, config.gate_bias)
+
+    def recurrence_step(self, h, e, caches):
+        """One step of the gated recurrence, the paper's Eq. 2-5. h: state, e: prelude output."""
+        c = self.config
+        eps_x = torch.randn_like(h) * c.state_noise if self.training else 0.0  # fresh every step
+        eps_g = torch.randn_like(h) * c.gate_noise if self.training else 0.0
+        u = self.proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2: u = W_proj [h + eps_x ; e]
+        o = u
+        for block, cache in zip(self.transformer.core, caches):  # Eq. 3: o = Core(u), shared weights
+            o = block(o, cache)
+        g = torch.sigmoid(self.gate(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
+        return g * h + (1 - g) * o  # Eq. 4: g near 1 keeps h
+
+    def body(self, x, num_steps=None, kv_cache=None):
+        """Prelude -> r gated steps of the shared core -> coda. r: num_steps if given, else
+        r ~ Uniform{1..R} in training (every exit is trained) and R in eval."""
+        r = self.resolve_steps(num_steps)
+        caches = kv_cache if kv_cache else [None] * self.num_block_passes(r)
+        if len(caches) != self.num_block_passes(r):
+            raise ValueError(f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
+        p, n = self.config.n_prelude, self.config.n_core
+        for block, cache in zip(self.transformer.prelude, caches[:p]):
+            x = block(x, cache)
+        e = h = x  # h0 = e, the prelude output
+        for step in range(r):
+            h = self.recurrence_step(h, e, caches[p + step * n: p + (step + 1) * n])
+        for block, cache in zip(self.transformer.coda, caches[p + r * n:]):
+            h = block(h, cache)
+        return h
+
+    def resolve_steps(self, num_steps):
+        if num_steps is None:
+            if self.training:  # drawn here, outside any compiled region, from torch's seeded generator
+                return int(torch.randint(1, self.config.n_recur + 1, ()).item())
+            return self.config.n_recur
+        if int(num_steps) != num_steps or num_steps < 1:
+            raise ValueError(f"num_steps must be an integer >= 1 (the model was trained with R = "
+                             f"{self.config.n_recur}), got {num_steps}")
+        return int(num_steps)
+
+    def num_block_passes(self, r):
+        c = self.config
+        return c.n_prelude + c.n_core * r + c.n_coda
+
+    def new_kv_cache(self, max_len, num_steps=None):
+        """One cache per executed layer: prelude layers, every core layer at every step, coda."""
+        r = self.resolve_steps(self.config.n_recur if num_steps is None else num_steps)
+        return [KVCache(max_len) for _ in range(self.num_block_passes(r))]
+
+    def compile_regions(self, **compile_kwargs):
+        """Prelude and coda blocks compiled once each, and one recurrence step compiled once:
+        the r-loop stays in Python, so every r reuses the same compiled step."""
+        for block in list(self.transformer.prelude) + list(self.transformer.coda):
+            block.compile(**compile_kwargs)
+        self.recurrence_step = torch.compile(self.recurrence_step, **compile_kwargs)
+
+    def flops_per_token(self, seq_len, num_steps=None):
+        """Forward FLOPs per token, LM head excluded: every block pass costs 24 d^2 + 4 S d, and each
+        step adds 10 d^2 (W_proj: 2 * 2d^2, gate f_g: 2 * 3d^2). r = R unless given; a mean r
+        (e.g. (R + 1) / 2 for training under uniform sampling) may be fractional."""
+        c, d = self.config, self.config.n_embd
+        r = c.n_recur if num_steps is None else num_steps
+        return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + 10 * r * d * d
+
+    def mean_train_steps(self):
+        """Mean r under training's Uniform{1..R} sampling, for training FLOPs and MFU."""
+        return (self.config.n_recur + 1) / 2
+
+
+# -----------------------------------------------------------------------------
+# Registry and presets shared by every script and test
+
+MODELS = {
+    'gpt': (GPTConfig, GPT),
+    'grt': (GRTConfig, GRT),
+}
+
+
+def _grt(prelude, core, recur, coda, n_embd, n_head):
+    return dict(model_type='grt', n_prelude=prelude, n_core=core, n_recur=recur, n_coda=coda,
+                n_embd=n_embd, n_head=n_head)
+
+
+PRESETS = {
+    # paper scale (vocab 50304, block 1024): the dense GPT-2 and the GRT layouts p + c x R + k
+    'gpt2-small': dict(model_type='gpt', n_layer=12, n_embd=768, n_head=12),
+    'gpt2-medium': dict(model_type='gpt', n_layer=24, n_embd=1024, n_head=16),
+    'gpt2-large': dict(model_type='gpt', n_layer=36, n_embd=1280, n_head=20),
+    'grt-small-isoflop': _grt(1, 1, 10, 1, 768, 12),
+    'grt-medium-isoflop': _grt(2, 5, 4, 2, 1024, 16),
+    'grt-large-isoflop': _grt(1, 5, 6, 5, 1280, 20),
+    'grt-small-isoparam': _grt(1, 10, 10, 1, 768, 12),
+    'grt-medium-isoparam': _grt(2, 20, 4, 2, 1024, 16),
+    'grt-large-isoparam': _grt(3, 30, 6, 3, 1280, 20),
+    # small enough for tests and CPU smoke runs
+    'tiny-gpt': dict(model_type='gpt', n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256),
+    'tiny-grt': dict(_grt(1, 1, 4, 1, 64, 4), block_size=64, vocab_size=256),
+}
+for _preset in PRESETS.values():
+    _preset.setdefault('block_size', 1024)
+    _preset.setdefault('vocab_size', 50304)
+
+
+def preset(name, **overrides):
+    """(model_type, config) of a named preset, with fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    args = {**PRESETS[name], **overrides}
+    model_type = args.pop('model_type')
+    return model_type, MODELS[model_type][0](**args)
+
+
+def build_model(model_type, **config_args):
+    """A fresh model of a registered type from config fields."""
+    if model_type not in MODELS:
+        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(MODELS)}")
+    config_class, model_class = MODELS[model_type]
+    return model_class(config_class(**config_args))
