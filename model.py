@@ -263,6 +263,11 @@ class LanguageModel(nn.Module):
             idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
         return idx
 
+    def sample_depth(self, generator):
+        """The depth of one training micro-step, drawn by the caller's generator (train.py keys it on
+        seed, iteration and micro-step, so DDP ranks agree and a resumed run repeats). Dense: None."""
+        return None
+
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
         """Model FLOPs utilisation: training FLOPs (forward + backward = 3x forward) achieved per
         second over peak_flops. num_steps is the depth the iteration ran (GRT: mean r if mixed)."""
@@ -427,6 +432,10 @@ class GRT(LanguageModel):
         r = c.n_recur if num_steps is None else num_steps
         return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + 10 * r * d * d
 
+    def sample_depth(self, generator):
+        """r ~ Uniform{1..R}: every exit is trained."""
+        return int(torch.randint(1, self.config.n_recur + 1, (), generator=generator).item())
+
     def mean_train_steps(self):
         """Mean r under training's Uniform{1..R} sampling, for training FLOPs and MFU."""
         return (self.config.n_recur + 1) / 2
@@ -473,6 +482,14 @@ def preset(name, **overrides):
     args = {**PRESETS[name], **overrides}
     model_type = args.pop('model_type')
     return model_type, MODELS[model_type][0](**args)
+
+
+def from_checkpoint(checkpoint, **config_overrides):
+    """The model a train.py checkpoint holds (its 'model_type', 'model_args' and 'model' entries)."""
+    model = build_model(checkpoint['model_type'], **{**checkpoint['model_args'], **config_overrides})
+    state = {k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()}  # compiled models
+    model.load_state_dict(state)
+    return model
 
 
 def build_model(model_type, **config_args):
