@@ -1,0 +1,375 @@
+"""Tests of model.py: the GPT-2 baseline and the GRT, on CPU at tiny sizes (paper sizes on `meta`)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GRT, MODELS, PRESETS, GPTConfig, GRTConfig, build_model, preset
+
+VOCAB = 256
+
+
+def tiny(name, **overrides):
+    torch.manual_seed(0)
+    model_type, config = preset(name, **overrides)
+    return MODELS[model_type][1](config)
+
+
+def scramble(model, std=0.5):
+    """Weights large enough that greedy decoding does not just repeat one token."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model
+
+
+def logits_all(model, idx, **kwargs):
+    """Logits at every position (forward returns all positions when targets are given)."""
+    return model(idx, targets=torch.zeros_like(idx), **kwargs)[0]
+
+
+@pytest.fixture(params=['tiny-gpt', 'tiny-grt'])
+def model(request):
+    return tiny(request.param).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, loss, causality
+
+
+def test_output_shapes(model):
+    idx = torch.randint(0, VOCAB, (3, 17))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 1, VOCAB) and loss is None
+    logits, loss = model(idx, targets=idx)
+    assert logits.shape == (3, 17, VOCAB) and loss.shape == ()
+
+
+def test_initial_loss_is_near_uniform(model):
+    torch.manual_seed(2)
+    data = torch.randint(0, VOCAB, (8, 33))
+    _, loss = model(data[:, :-1], targets=data[:, 1:])
+    assert abs(loss.item() - math.log(VOCAB)) < 0.1
+
+
+def test_loss_ignores_index_minus_one(model):
+    idx = torch.randint(0, VOCAB, (2, 10))
+    targets = idx.clone()
+    targets[:, 5:] = -1
+    logits, loss = model(idx, targets=targets)
+    expected = F.cross_entropy(logits[:, :5].reshape(-1, VOCAB), idx[:, :5].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_causality(model):
+    scramble(model)
+    idx = torch.randint(0, VOCAB, (2, 20))
+    t = 11
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % VOCAB
+    before, after = logits_all(model, idx), logits_all(model, changed)
+    torch.testing.assert_close(before[:, :t], after[:, :t], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[:, t], after[:, t], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+@pytest.mark.parametrize('prompt_len', [1, 7, 30])
+def test_cached_logits_equal_uncached(model, prompt_len):
+    scramble(model, std=0.2)
+    torch.manual_seed(3)
+    idx = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        full = logits_all(model, idx)
+        cache = model.new_kv_cache(max_len=40)
+        logits, _ = model(idx[:, :prompt_len], kv_cache=cache)  # prefill
+        torch.testing.assert_close(logits[:, -1], full[:, prompt_len - 1], atol=1e-5, rtol=0)
+        for t in range(prompt_len, 40):  # one token at a time
+            logits, _ = model(idx[:, t:t + 1], kv_cache=cache)
+            torch.testing.assert_close(logits[:, -1], full[:, t], atol=1e-5, rtol=0)
+
+
+def test_cached_chunk_after_prefix(model):
+    """Several new tokens after a cached prefix need the offset causal mask."""
+    scramble(model, std=0.2)
+    idx = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        full = logits_all(model, idx)
+        cache = model.new_kv_cache(max_len=24)
+        model(idx[:, :10], kv_cache=cache)
+        logits = model(idx[:, 10:], targets=idx[:, 10:], kv_cache=cache)[0]
+    torch.testing.assert_close(logits, full[:, 10:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('name', ['tiny-gpt', 'tiny-grt'])
+@pytest.mark.parametrize('prompt_len,new_tokens', [(1, 10), (5, 12), (12, 20), (16, 6)])
+def test_greedy_generation_cached_equals_uncached(name, prompt_len, new_tokens):
+    """block_size 16: the longer runs slide the window past block_size, where the cache is rebuilt."""
+    model = scramble(tiny(name, block_size=16)).eval()
+    torch.manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (2, prompt_len))
+    cached = model.generate(prompt, new_tokens, temperature=0)
+    uncached = model.generate(prompt, new_tokens, temperature=0, use_cache=False)
+    # an independent reference: nanoGPT's loop, cropping the context and recomputing everything
+    reference = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits, _ = model(reference[:, -16:])
+            reference = torch.cat([reference, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, reference) and torch.equal(uncached, reference)
+    assert len(set(cached[0, prompt_len:].tolist())) > 2  # a real test: not one repeated token
+
+
+def test_sampling_is_seeded(model):
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    torch.manual_seed(5)
+    a = model.generate(prompt, 12, temperature=1.0, top_k=10)
+    torch.manual_seed(5)
+    b = model.generate(prompt, 12, temperature=1.0, top_k=10)
+    assert torch.equal(a, b)
+
+
+def test_forward_rejects_too_long_sequence(model):
+    with pytest.raises(ValueError, match='exceeds block_size'):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# The GRT recurrence
+
+
+def reference_grt_logits(model, idx, r, noise=None):
+    """Eq. 2-5 written out again from the model's parts, independently of GRT.body. noise(h) gives
+    (eps_x, eps_g) for one step (None: eval, no noise)."""
+    c, tr = model.config, model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.size(1)))
+    for block in tr.prelude:
+        x = block(x)
+    e = h = x
+    for _ in range(r):
+        eps_x, eps_g = noise(h) if noise else (0.0, 0.0)
+        u = model.proj(torch.cat([h + eps_x, e], -1))
+        o = u
+        for block in tr.core:
+            o = block(o)
+        a = model.gate[2](F.silu(model.gate[0](torch.cat([model.ln_h(h), model.ln_e(e)], -1))))
+        g = torch.sigmoid(a / c.gate_tau + eps_g)
+        h = g * h + (1 - g) * o
+    for block in tr.coda:
+        h = block(h)
+    return model.lm_head(tr.ln_f(h))
+
+
+@pytest.mark.parametrize('r', [1, 3, 7])
+def test_grt_matches_equations_in_eval(r):
+    model = scramble(tiny('tiny-grt', n_prelude=2, n_core=2, n_coda=1), std=0.1).eval()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_all(model, idx, num_steps=r), reference_grt_logits(model, idx, r),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_grt_training_noise_is_where_the_equations_put_it():
+    model = scramble(tiny('tiny-grt', state_noise=0.3, gate_noise=0.7), std=0.1).train()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    torch.manual_seed(6)
+    got = logits_all(model, idx, num_steps=3)
+    torch.manual_seed(6)
+    expected = reference_grt_logits(model, idx, 3, noise=lambda h: (torch.randn_like(h) * 0.3,
+                                                                      torch.randn_like(h) * 0.7))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grt_train_mode_is_noisy_and_eval_deterministic():
+    model = tiny('tiny-grt')
+    idx = torch.randint(0, VOCAB, (2, 12))
+    model.train()
+    assert not torch.allclose(logits_all(model, idx, num_steps=2), logits_all(model, idx, num_steps=2))
+    model.eval()
+    assert torch.equal(logits_all(model, idx), logits_all(model, idx))
+
+
+def test_grt_num_steps_changes_the_result_and_may_exceed_R():
+    model = scramble(tiny('tiny-grt'), std=0.1).eval()
+    idx = torch.randint(0, VOCAB, (1, 12))
+    outs = [logits_all(model, idx, num_steps=r) for r in (1, 4, 8)]  # R = 4
+    assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[1], outs[2])
+    torch.testing.assert_close(logits_all(model, idx), outs[1])  # eval default is R
+
+
+def test_grt_training_draws_r_uniformly_from_torch_generator():
+    model = tiny('tiny-grt', n_recur=5)
+    g = torch.Generator().manual_seed(0)
+    draws = [model.sample_depth(g) for _ in range(500)]
+    assert set(draws) == {1, 2, 3, 4, 5}
+    assert abs(sum(draws) / len(draws) - model.mean_train_steps()) < 0.25
+    model.train()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    torch.manual_seed(7)
+    a = model(idx, idx)[1]
+    torch.manual_seed(7)
+    b = model(idx, idx)[1]
+    assert torch.equal(a, b)  # a seeded run repeats, depth draw included
+
+
+def test_gate_starts_near_sigmoid_4():
+    model = tiny('tiny-grt').eval()
+    gates = []
+    model.gate.register_forward_hook(lambda mod, inp, out: gates.append(torch.sigmoid(out)))
+    model(torch.randint(0, VOCAB, (2, 16)))
+    assert len(gates) == model.config.n_recur
+    for g in gates:
+        assert (g - torch.sigmoid(torch.tensor(4.0))).abs().max() < 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts and FLOPs, against independent formulas
+
+
+def block_params(d):
+    ln = 2 * d  # weight and bias
+    return 2 * ln + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+
+
+def expected_params(spec, non_embedding):
+    d, vocab, block = spec['n_embd'], spec['vocab_size'], spec['block_size']
+    if spec['model_type'] == 'gpt':
+        layers, extra = spec['n_layer'], 0
+    else:
+        layers = spec['n_prelude'] + spec['n_core'] + spec['n_coda']
+        projection = 2 * d * d + d
+        gate = (2 * d * d + d) + (d * d + d) + 2 * (2 * d)  # f_g, plus the two LayerNorms of Eq. 5
+        extra = projection + gate
+    n = layers * block_params(d) + extra + 2 * d  # + ln_f; the LM head is tied to wte
+    return n if non_embedding else n + vocab * d + block * d
+
+
+@pytest.mark.parametrize('name', list(PRESETS))
+def test_preset_parameter_counts(name):
+    with torch.device('meta'):
+        model_type, config = preset(name)
+        model = MODELS[model_type][1](config)
+    spec = PRESETS[name]
+    assert model.get_num_params(non_embedding=True) == expected_params(spec, True)
+    assert model.get_num_params(non_embedding=False) == expected_params(spec, False)
+
+
+def test_medium_isoflop_gate_and_projection_sizes():
+    d = 1024
+    with torch.device('meta'):
+        model = build_model('grt', **{k: v for k, v in PRESETS['grt-medium-isoflop'].items() if k != 'model_type'})
+    gate_linears = sum(p.numel() for p in model.gate.parameters())
+    assert gate_linears == 3 * d * d + 2 * d
+    assert sum(p.numel() for p in model.proj.parameters()) == 2 * d * d + d
+
+
+def test_large_isoflop_has_63_percent_fewer_parameters():
+    with torch.device('meta'):
+        dense = build_model(**PRESETS['gpt2-large'])
+        grt = build_model(**PRESETS['grt-large-isoflop'])
+    fewer = 1 - grt.get_num_params(False) / dense.get_num_params(False)
+    assert round(fewer, 2) in (0.62, 0.63)  # the paper's headline, embeddings counted
+
+
+@pytest.mark.parametrize('name', list(PRESETS))
+def test_flops_per_token_formula(name):
+    with torch.device('meta'):
+        model = build_model(**PRESETS[name])
+    s = PRESETS[name]
+    d, S = s['n_embd'], 512
+    if s['model_type'] == 'gpt':
+        assert model.flops_per_token(S) == s['n_layer'] * (24 * d ** 2 + 4 * S * d)
+    else:
+        for r in (1, s['n_recur'], 2 * s['n_recur']):
+            passes = s['n_prelude'] + s['n_core'] * r + s['n_coda']
+            assert model.flops_per_token(S, num_steps=r) == passes * (24 * d ** 2 + 4 * S * d) + 10 * r * d ** 2
+        assert model.flops_per_token(S) == model.flops_per_token(S, num_steps=s['n_recur'])
+
+
+def test_isoflop_presets_unroll_to_the_dense_depth():
+    """1+1x10+1 = 12, 2+5x4+2 = 24, 1+5x6+5 = 36 block passes; only projection and gate add FLOPs."""
+    for scale, depth in (('small', 12), ('medium', 24), ('large', 36)):
+        with torch.device('meta'):
+            dense = build_model(**PRESETS[f'gpt2-{scale}'])
+            grt = build_model(**PRESETS[f'grt-{scale}-isoflop'])
+        R, d = grt.config.n_recur, grt.config.n_embd
+        assert grt.num_block_passes(R) == dense.config.n_layer == depth
+        assert grt.flops_per_token(1024) - dense.flops_per_token(1024) == 10 * R * d * d
+
+
+def test_estimate_mfu():
+    model = tiny('tiny-gpt')
+    flops = 3 * model.flops_per_token(64) * 1000
+    assert model.estimate_mfu(tokens_per_iter=1000, dt=2.0, peak_flops=flops, seq_len=64) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer, configuration errors, compilation, Hugging Face equivalence
+
+
+def test_configure_optimizers_covers_every_parameter_once(model):
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    seen = [id(p) for group in opt.param_groups for p in group['params']]
+    assert len(seen) == len(set(seen)) == len(list(model.parameters()))
+    decay, no_decay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and all(p.dim() >= 2 for p in decay['params'])
+    assert no_decay['weight_decay'] == 0.0 and all(p.dim() < 2 for p in no_decay['params'])
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda: GPTConfig(n_embd=100, n_head=3), 'divisible by n_head'),
+    (lambda: GRTConfig(n_recur=0), 'n_recur'),
+    (lambda: GRTConfig(n_core=0), 'n_core'),
+    (lambda: GRTConfig(n_prelude=1, n_core=2, n_coda=1, n_layer=12), 'conflicts'),
+    (lambda: preset('gpt2-huge'), 'known presets: gpt2-small'),
+    (lambda: build_model('rnn'), 'known: gpt'),
+    (lambda: tiny('tiny-grt').eval()(torch.zeros(1, 4, dtype=torch.long), num_steps=0), 'num_steps'),
+])
+def test_bad_configuration_raises_clear_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_grt_n_layer_is_derived():
+    assert GRTConfig(n_prelude=2, n_core=5, n_coda=2).n_layer == 9
+    assert GRTConfig(n_prelude=2, n_core=5, n_coda=2, n_layer=9).n_layer == 9
+
+
+def test_compiled_grt_by_regions_never_recompiles_across_r():
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = tiny('tiny-grt', block_size=32)
+    eager = tiny('tiny-grt', block_size=32)
+    model.compile_regions()
+    idx = torch.randint(0, VOCAB, (2, 32))
+    model.train()
+    model(idx, idx, num_steps=2)[1].backward()  # first call compiles every region once
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for r in (1, 4, 3, 7):
+            _, loss = model(idx, idx, num_steps=r)
+            loss.backward()
+    model.eval()
+    eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, idx)[1], eager(idx, idx)[1], atol=1e-4, rtol=1e-4)
+
+
+def test_gpt_matches_hugging_face_gpt2():
+    transformers = pytest.importorskip('transformers')  # installed by .ci/run; optional for users
+    torch.manual_seed(8)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=24, n_embd=48, n_layer=3, n_head=4,
+                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)  # random everywhere, biases and LayerNorms included
+    ours = GPT.from_pretrained(hf).eval()
+    idx = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_all(ours, idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
