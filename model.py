@@ -59,6 +59,10 @@ class GRTConfig(GPTConfig):
     gate_noise: float = 0.1  # std of eps_g, Eq. 5
     gate_bias: float = 4.0  # initial bias of f_g's last Linear: g ~ sigmoid(4) = 0.98 keeps h at first
     gate_tau: float = 1.0  # temperature tau of Eq. 5
+    # The paper's ablation ladder; each rung adds one part of GRT (see GRT.recurrence_step):
+    # 1 recurrence alone (no prelude/coda), 2 + prelude/coda split, 3 + state noise,
+    # 4 + prelude re-injection W_proj, 5 + gate = full GRT (Eq. 2-5)
+    rung: int = 5
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +74,10 @@ class GRTConfig(GPTConfig):
             raise ValueError(f"n_recur (R) must be >= 1, got {self.n_recur}")
         if self.gate_tau <= 0:
             raise ValueError(f"gate_tau must be > 0, got {self.gate_tau}")
+        if self.rung not in (1, 2, 3, 4, 5):
+            raise ValueError(f"rung must be 1..5 (5 = full GRT; lower rungs are the ablation ladder), got {self.rung}")
+        if self.rung == 1 and (self.n_prelude or self.n_coda):
+            raise ValueError("rung 1 is recurrence alone: set n_prelude=0 and n_coda=0 (every layer in the shared core)")
         unique = self.n_prelude + self.n_core + self.n_coda
         if self.n_layer is not None and self.n_layer != unique:
             raise ValueError(f"n_layer={self.n_layer} conflicts with n_prelude + n_core + n_coda = {unique}; "
@@ -359,27 +367,52 @@ class GRT(LanguageModel):
         self.transformer.prelude = nn.ModuleList([Block(config) for _ in range(config.n_prelude)])
         self.transformer.core = nn.ModuleList([Block(config) for _ in range(config.n_core)])
         self.transformer.coda = nn.ModuleList([Block(config) for _ in range(config.n_coda)])
-        self.proj = nn.Linear(2 * d, d, bias=config.bias)  # W_proj of Eq. 2
-        self.ln_h = nn.LayerNorm(d, bias=config.bias)  # the two LayerNorms of Eq. 5
-        self.ln_e = nn.LayerNorm(d, bias=config.bias)
-        # f_g of Eq. 5; its last Linear always has a bias, because Eq. 5's +4 initialisation lives there
-        self.gate = nn.Sequential(nn.Linear(2 * d, d, bias=config.bias), nn.SiLU(), nn.Linear(d, d))
+        # the ablation ladder's lower rungs have no W_proj (rungs 1-3) or no gate (rungs 1-4)
+        self.proj = nn.Linear(2 * d, d, bias=config.bias) if config.rung >= 4 else None  # W_proj of Eq. 2
+        if config.rung == 5:
+            self.ln_h = nn.LayerNorm(d, bias=config.bias)  # the two LayerNorms of Eq. 5
+            self.ln_e = nn.LayerNorm(d, bias=config.bias)
+            # f_g of Eq. 5; its last Linear always has a bias, because Eq. 5's +4 initialisation lives there
+            self.gate = nn.Sequential(nn.Linear(2 * d, d, bias=config.bias), nn.SiLU(), nn.Linear(d, d))
         # Residual scaling counts the blocks a token passes through at eval depth R, not the
         # unique ones: every core pass adds to the residual stream again.
         self._finish_init(residual_depth=config.n_prelude + config.n_core * config.n_recur + config.n_coda)
-        nn.init.constant_(self.gate[-1].bias, config.gate_bias)
+        if config.rung == 5:
+            nn.init.constant_(self.gate[-1].bias, config.gate_bias)
 
     def recurrence_step(self, h, e, caches):
         """One step of the gated recurrence, the paper's Eq. 2-5. h: state, e: prelude output."""
         c = self.config
+        if c.rung < 5:
+            return self.ablated_step(h, e, caches)
         eps_x = torch.randn_like(h) * c.state_noise if self.training else 0.0  # fresh every step
         eps_g = torch.randn_like(h) * c.gate_noise if self.training else 0.0
         u = self.proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2: u = W_proj [h + eps_x ; e]
-        o = u
-        for block, cache in zip(self.transformer.core, caches):  # Eq. 3: o = Core(u), shared weights
-            o = block(o, cache)
+        o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         g = torch.sigmoid(self.gate(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
         return g * h + (1 - g) * o  # Eq. 4: g near 1 keeps h
+
+    def ablated_step(self, h, e, caches):
+        """One step at a lower rung of the ablation ladder (config.rung), each adding one part of GRT:
+            rung 1, recurrence alone:      h = Core(h),  h0 = wte(x) + wpe  (no prelude, no coda)
+            rung 2, + prelude/coda split:  h = Core(h),  h0 = e
+            rung 3, + state noise:         h = Core(h + eps_x)
+            rung 4, + prelude re-injection: h = Core(W_proj [h + eps_x ; e])
+        (rung 5 adds the gate: full GRT.) Rungs 1 and 2 share this code: rung 1 is rung 2 with
+        n_prelude = n_coda = 0, so e = h0 is the embedding itself."""
+        c = self.config
+        u = h
+        if c.rung >= 3 and self.training:
+            u = u + torch.randn_like(h) * c.state_noise
+        if c.rung >= 4:
+            u = self.proj(torch.cat([u, e], dim=-1))
+        return self.run_core(u, caches)
+
+    def run_core(self, x, caches):
+        """The shared core: n_core blocks, the same weights at every step."""
+        for block, cache in zip(self.transformer.core, caches):
+            x = block(x, cache)
+        return x
 
     def body(self, x, num_steps=None, kv_cache=None):
         """Prelude -> r gated steps of the shared core -> coda. r: num_steps if given, else
@@ -391,11 +424,22 @@ class GRT(LanguageModel):
         p, n = self.config.n_prelude, self.config.n_core
         for block, cache in zip(self.transformer.prelude, caches[:p]):
             x = block(x, cache)
-        e = h = x  # h0 = e, the prelude output
-        for step in range(r):
-            h = self.recurrence_step(h, e, caches[p + step * n: p + (step + 1) * n])
+        e = x
+        h = self.initial_state(e)
+        h = self.recur(h, e, r, caches[p: p + r * n])
         for block, cache in zip(self.transformer.coda, caches[p + r * n:]):
             h = block(h, cache)
+        return h
+
+    def initial_state(self, e):
+        """h0 = e, the prelude output (the Huginn baseline draws a random h0 instead)."""
+        return e
+
+    def recur(self, h, e, r, caches):
+        """r recurrence steps; caches holds n_core per step."""
+        n = self.config.n_core
+        for step in range(r):
+            h = self.recurrence_step(h, e, caches[step * n: (step + 1) * n])
         return h
 
     def resolve_steps(self, num_steps):
@@ -427,10 +471,12 @@ class GRT(LanguageModel):
     def flops_per_token(self, seq_len, num_steps=None):
         """Forward FLOPs per token, LM head excluded: every block pass costs 24 d^2 + 4 S d, and each
         step adds 10 d^2 (W_proj: 2 * 2d^2, gate f_g: 2 * 3d^2). r = R unless given; a mean r
-        (e.g. (R + 1) / 2 for training under uniform sampling) may be fractional."""
+        (e.g. (R + 1) / 2 for training under uniform sampling) may be fractional. Ablation rungs:
+        4 d^2 per step at rung 4 (W_proj only), nothing at rungs 1-3."""
         c, d = self.config, self.config.n_embd
         r = c.n_recur if num_steps is None else num_steps
-        return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + 10 * r * d * d
+        per_step = {5: 10, 4: 4}.get(c.rung, 0) * d * d
+        return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + per_step * r
 
     def sample_depth(self, generator):
         """r ~ Uniform{1..R}: every exit is trained."""
