@@ -493,6 +493,7 @@ class GRT(LanguageModel):
 MODELS = {
     'gpt': (GPTConfig, GPT),
     'grt': (GRTConfig, GRT),
+    # 'huginn' and 'mor', the paper's recurrent baselines, are added by baselines.py (imported at the end)
 }
 
 
@@ -544,3 +545,7 @@ def build_model(model_type, **config_args):
         raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(MODELS)}")
     config_class, model_class = MODELS[model_type]
     return model_class(config_class(**config_args))
+
+
+# The paper's baselines (Huginn, MoR) are built on GRT; importing them registers them in MODELS.
+import baselines  # noqa: E402,F401  (last, because baselines imports this module)
