@@ -79,24 +79,32 @@ def write_tokens(path, tokens):
             os.remove(tmp)
 
 
-def read_tokens(path):
-    """Return the tokens of a token file as a read-only np.memmap of uint16, after checking its header."""
-    hint = f'delete it and run `{prepare_command(os.path.dirname(path) or ".")}`'
-    if not os.path.isfile(path):
-        raise ValueError(f'token file {path} not found; run `{prepare_command(os.path.dirname(path) or ".")}`')
+def _token_count(path):
+    """The token count of a token file whose header and length check out; else ValueError naming the fault."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise ValueError(f'token file {path} is truncated ({size} bytes, shorter than the '
-                         f'{HEADER_BYTES}-byte header); {hint}')
+        raise ValueError(f'{path} is truncated ({size} bytes, shorter than the {HEADER_BYTES}-byte header)')
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     magic, version, count = (int(x) for x in header[:3])
     if magic != MAGIC:
-        raise ValueError(f'{path} is not a token file (magic {magic}, expected {MAGIC}); {hint}')
+        raise ValueError(f'{path} is not a token file (magic {magic}, expected {MAGIC})')
     if version != VERSION:
-        raise ValueError(f'token file {path} has version {version}, this code reads version {VERSION}; {hint}')
+        raise ValueError(f'{path} has token file version {version}, this code reads version {VERSION}')
     if count <= 0 or size != HEADER_BYTES + 2 * count:
-        raise ValueError(f'token file {path} is {size} bytes but its header promises {count} tokens '
-                         f'({HEADER_BYTES + 2 * count} bytes): truncated or corrupt; {hint}')
+        raise ValueError(f'{path} is {size} bytes but its header promises {count} tokens '
+                         f'({HEADER_BYTES + 2 * count} bytes): truncated or corrupt')
+    return count
+
+
+def read_tokens(path):
+    """Return the tokens of a token file as a read-only np.memmap of uint16, after checking its header."""
+    command = prepare_command(os.path.dirname(path) or '.')
+    if not os.path.isfile(path):
+        raise ValueError(f'token file {path} not found; run `{command}`')
+    try:
+        count = _token_count(path)
+    except ValueError as e:
+        raise ValueError(f'{e}; delete it and run `{command}`') from None
     return np.memmap(path, dtype=np.uint16, mode='r', offset=HEADER_BYTES, shape=(count,))
 
 
@@ -238,7 +246,7 @@ def download(url, path, sha256=None, check=None, retries=3, backoff=1.0):
             try:
                 check(part)
             except ValueError as e:
-                raise DownloadError(f'{url} is not a valid file: {e}') from None
+                raise DownloadError(f'{url} is not a valid file: {e}') from None  # e names the .part file
         os.replace(part, path)
     finally:  # also on Ctrl-C: never leave a half-written file
         if os.path.exists(part):
@@ -310,7 +318,7 @@ def _prepare_fineweb(out_dir, url, shards, retries, backoff):
             except ValueError as e:
                 print(f'fetching again: {e}', file=sys.stderr)
         try:
-            download(f'{base}/{name}', path, check=read_tokens, retries=retries, backoff=backoff)
+            download(f'{base}/{name}', path, check=_token_count, retries=retries, backoff=backoff)
         except DownloadError as e:
             raise DownloadError(f'{e}; rerun the same command to resume (finished shards are kept), pass '
                                 f'--url MIRROR, or place the shard files in {out_dir}') from None
