@@ -66,7 +66,7 @@ def write_tokens(path, tokens):
                          f'(got {tokens.min()}..{tokens.max()}); use a smaller vocabulary')
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = MAGIC, VERSION, len(tokens)
-    tmp = path + '.part'
+    tmp = f'{path}.{os.getpid()}.part'  # per process: torchrun ranks preparing at once do not collide
     try:
         with open(tmp, 'wb') as f:
             f.write(header.tobytes())
@@ -122,13 +122,16 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         raise ValueError(f'{path} not found; run `{prepare_command(data_dir)}`')
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f'{path} is not valid JSON ({e}); delete it and run `{prepare_command(data_dir)}`') from None
 
 
 def _write_meta(data_dir, meta):
-    tmp = os.path.join(data_dir, 'meta.json.part')
-    with open(tmp, 'w') as f:
+    tmp = os.path.join(data_dir, f'meta.json.{os.getpid()}.part')
+    with open(tmp, 'w', encoding='utf-8') as f:
         json.dump(meta, f, ensure_ascii=False)
     os.replace(tmp, os.path.join(data_dir, 'meta.json'))
 
@@ -148,11 +151,11 @@ def _gpt2_encoding():
 
 def get_tokenizer(meta):
     """(encode, decode) for a dataset's meta.json: encode str -> list[int], decode list[int] -> str."""
-    if meta['tokenizer'] == 'gpt2':
+    if meta.get('tokenizer') == 'gpt2':
         enc = _gpt2_encoding()
         return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
-    if meta['tokenizer'] != 'char':
-        raise ValueError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json; expected 'char' or 'gpt2'")
+    if meta.get('tokenizer') != 'char':
+        raise ValueError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json; expected 'char' or 'gpt2'")
     chars = meta['chars']
     stoi = {c: i for i, c in enumerate(chars)}
 
@@ -189,7 +192,7 @@ class _Incomplete(Exception):
     pass
 
 
-def _fetch(url, part):
+def _fetch(url, part, label):
     """One attempt: stream url into part with a progress bar; raise if the body comes up short."""
     # identity encoding: Content-Length then counts the bytes we write, so a short body is detectable
     with requests.get(url, stream=True, timeout=(10, 60), headers={'Accept-Encoding': 'identity'}) as r:
@@ -197,7 +200,7 @@ def _fetch(url, part):
         total = int(r.headers.get('Content-Length', 0))
         done = 0
         with open(part, 'wb') as f, tqdm(total=total or None, unit='B', unit_scale=True, unit_divisor=1024,
-                                         desc=os.path.basename(part)[:-len('.part')]) as bar:
+                                         desc=label) as bar:
             for chunk in r.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
                 done += len(chunk)
@@ -219,14 +222,14 @@ def _reason(e):
 
 
 def download(url, path, sha256=None, check=None, retries=3, backoff=1.0):
-    """Fetch url to path through path + '.part', retrying failed transfers after backoff * 2^k seconds.
+    """Fetch url to path through a .part file beside it, retrying failed transfers after backoff * 2^k seconds.
     The file is renamed into place only when complete and verified: its sha256 must equal sha256 (if
     given) and check(part_path) (if given) must not raise. On any failure nothing is left behind."""
-    part = path + '.part'
+    part = f'{path}.{os.getpid()}.part'  # per process: torchrun ranks fetching at once do not collide
     try:
         for attempt in range(retries + 1):
             try:
-                _fetch(url, part)
+                _fetch(url, part, label=os.path.basename(path))
                 break
             except (requests.RequestException, _Incomplete) as e:
                 status = e.response.status_code if isinstance(e, requests.HTTPError) else None
@@ -291,6 +294,8 @@ def _read_text(path):
 
 def _prepare_text(text, out_dir, tokenizer):
     """Tokenize text, split 90/10 into train.bin/val.bin, write meta.json."""
+    if not text:
+        raise ValueError('the input text is empty; pass a file with some text')
     ids, meta = tokenize(text, tokenizer)
     n = int(0.9 * len(ids))  # split the token stream: the same cut for characters and BPE
     if n == 0 or n == len(ids):
@@ -334,6 +339,8 @@ def prepare(dataset, data_dir='data', url=None, input_path=None, tokenizer=None,
         raise ValueError('fineweb10B comes pre-tokenized; --input takes a text file for another --name')
     if input_path is not None and url is not None:
         raise ValueError('pass either --input FILE or --url URL, not both')
+    if not dataset or os.path.basename(dataset) != dataset or dataset in ('.', '..'):
+        raise ValueError(f'dataset name {dataset!r} must be a plain folder name such as mytext')
     if input_path is None and dataset not in DATASETS:
         raise ValueError(f'unknown dataset {dataset!r}; choose one of {", ".join(DATASETS)}, '
                          f'or pass --input FILE --name {dataset}')

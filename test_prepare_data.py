@@ -180,8 +180,12 @@ def test_prepare_gpt2_from_text_file(tmp_path, gpt2_bpe):
 def test_bad_inputs_fail_with_one_line(tmp_path):
     bad = tmp_path / 'latin1.txt'
     bad.write_bytes('caf\xe9'.encode('latin-1') * 10)
+    empty = tmp_path / 'empty.txt'
+    empty.write_text('')
     for argv, message in [
         (['--input', str(bad)], 'is not UTF-8 text'),
+        (['--input', str(empty)], 'input text is empty'),
+        (['--input', str(bad), '--name', '../up'], 'must be a plain folder name'),
         (['--input', str(tmp_path / 'nope.txt')], 'not found'),
         (['wikitext'], "unknown dataset 'wikitext'"),
         (['fineweb10B', '--shards', '0'], '--shards must be between 1 and 103'),
@@ -190,6 +194,10 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
             main(argv + ['--data_dir', str(tmp_path / 'data')])
         assert str(e.value.code).startswith('error: ') and message in str(e.value.code)
         assert '\n' not in str(e.value.code)
+    (tmp_path / 'data' / 'broken').mkdir(parents=True)
+    (tmp_path / 'data' / 'broken' / 'meta.json').write_text('{"tokenizer": ')
+    with pytest.raises(ValueError, match='meta.json is not valid JSON.*--name broken'):
+        load_meta(str(tmp_path / 'data' / 'broken'))
 
 
 # -----------------------------------------------------------------------------
@@ -240,6 +248,19 @@ def test_shakespeare_char_downloads_once(tmp_path, server, monkeypatch):
     assert server.hits['/input.txt'] == 1  # the second run found input.txt in place
     assert leftovers(tmp_path) == ['input.txt', 'meta.json', 'train.bin', 'val.bin']
     assert (tmp_path / 'shakespeare_char' / 'input.txt').read_text(encoding='utf-8') == text
+
+
+def test_shakespeare_bpe_reuses_the_char_download(tmp_path, server, monkeypatch, gpt2_bpe):
+    text = 'First Citizen:\nBefore we proceed any further, hear me speak.\n' * 20
+    monkeypatch.setattr(prepare_data, 'SHAKESPEARE_SHA256', hashlib.sha256(text.encode()).hexdigest())
+    server.routes['/input.txt'] = [('ok', text.encode())]
+    prepare('shakespeare_char', data_dir=str(tmp_path), url=server.url + '/input.txt')
+    prepare('shakespeare', data_dir=str(tmp_path), url=server.url + '/input.txt')
+    assert server.hits['/input.txt'] == 1  # the GPT-2 version read the text the char version fetched
+    ids = np.concatenate([read_tokens(f) for split in ('train', 'val')
+                          for f in token_files(str(tmp_path / 'shakespeare'), split)])
+    assert ids.tolist() == gpt2_bpe.encode_ordinary(text)
+    assert load_meta(str(tmp_path / 'shakespeare'))['tokenizer'] == 'gpt2'
 
 
 def test_no_network_says_what_to_do(tmp_path, sleeps):
