@@ -233,7 +233,8 @@ def download(url, path, sha256=None, check=None, retries=3, backoff=1.0):
                 break
             except (requests.RequestException, _Incomplete) as e:
                 status = e.response.status_code if isinstance(e, requests.HTTPError) else None
-                permanent = status is not None and status < 500 and status != 429  # 404 will not heal
+                # a 404 or a malformed URL (requests' URL errors are ValueErrors) will not heal by waiting
+                permanent = isinstance(e, ValueError) or (status is not None and status < 500 and status != 429)
                 if permanent or attempt == retries:
                     tries = f' after {attempt + 1} attempts' if attempt else ''
                     raise DownloadError(f'could not fetch {url}{tries} ({_reason(e)})') from None
@@ -317,7 +318,7 @@ def _prepare_fineweb(out_dir, url, shards, retries, backoff):
         path = os.path.join(out_dir, name)
         if os.path.isfile(path):
             try:
-                read_tokens(path)
+                _token_count(path)
                 print(f'{path} is complete, keeping it')
                 continue
             except ValueError as e:

@@ -237,6 +237,9 @@ def test_transient_failures_are_retried(tmp_path, server, sleeps):
     with pytest.raises(DownloadError, match='HTTP 404'):  # a missing file is not retried
         download(server.url + '/missing', str(tmp_path / 'm.txt'), backoff=0)
     assert server.hits['/missing'] == 1 and leftovers(tmp_path) == ['f.txt']
+    with pytest.raises(DownloadError, match='No scheme supplied'):  # a malformed --url is not retried
+        download('127.0.0.1/f.txt', str(tmp_path / 'u.txt'), backoff=0)
+    assert sleeps == [0, 0] and leftovers(tmp_path) == ['f.txt']
 
 
 def test_shakespeare_char_downloads_once(tmp_path, server, monkeypatch):
