@@ -250,14 +250,15 @@ class MoR(GRT):
         """Forward FLOPs per token, LM head excluded, averaged over tokens: prelude and coda blocks
         for every token; at recursion s a fraction f_s = (N_r - s) / N_r of the tokens (the capacity
         schedule) passes n_core blocks whose attention spans f_s * S keys; every token is scored by
-        both routers at every recursion (2d + 2(d a + a) + 2a, with the aux router's hidden width a).
+        both routers at every recursion (2d + 2da + 2a, the aux router's hidden width a; as for the
+        blocks, bias additions are not counted).
         At inference the auxiliary router's choices may keep more or fewer tokens than f_s."""
         c, d, a = self.config, self.config.n_embd, self.config.router_hidden
         r = c.n_recur if num_steps is None else num_steps
         flops = (c.n_prelude + c.n_coda) * (24 * d * d + 4 * seq_len * d)
         for s in range(r):
             f = (c.n_recur - s) / c.n_recur
-            flops += f * c.n_core * (24 * d * d + 4 * f * seq_len * d) + 2 * d + 2 * (d * a + a) + 2 * a
+            flops += f * c.n_core * (24 * d * d + 4 * f * seq_len * d) + 2 * d + 2 * d * a + 2 * a
         return flops
 
 
