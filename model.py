@@ -121,6 +121,90 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+# How a GRT caches the keys and values of its shared core across the R recurrence steps
+# (prelude and coda layers always keep one exact KVCache each, and a GPT only has per_step):
+KV_MODES = ('per_step', 'shared', 'mean')
+
+
+class CoreLayerCache:
+    """One core layer's keys and values for all R steps in one buffer: kv_mode 'shared' or 'mean'.
+
+    For a chunk of T new tokens (T = 1 when decoding, T = the prompt when prefilling), at step
+    s = 1..R the chunk's queries attend to
+      - every earlier token's stored k, v: its step-R k, v ('shared') or its mean over the R
+        steps ('mean'), and
+      - the chunk's own step-s k, v, causally (so a chunk is computed exactly within itself:
+        prefilling a prompt into an empty cache equals the uncached forward).
+    After the chunk's last step its stored entries become its step-R k, v ('shared') or its
+    k, v averaged over steps 1..R ('mean'). Memory: one step's cache instead of R steps'.
+
+    The chunk's step-s k, v are written into the slots after the stored tokens, so attention is
+    one slice of one buffer (no concatenation); the next step overwrites them. In 'mean' mode the
+    slots still hold step R when the chunk's forward ends (its own attention at step R needs them),
+    so the mean is written in at the start of the next chunk, before anything reads it.
+    """
+
+    def __init__(self, max_len, num_steps, mode):
+        assert mode in ('shared', 'mean')
+        self.max_len, self.num_steps, self.mode = max_len, num_steps, mode
+        self.k = self.v = None
+        self.length = 0  # tokens whose stored k, v are final (including a pending mean)
+        self.pending = None  # mean mode: (start, end, sum_k, sum_v) of the last chunk, to write in
+
+    def steps(self):
+        """The R per-step handles GRT.body indexes, all backed by this one buffer."""
+        return [CoreStepCache(self, s) for s in range(self.num_steps)]
+
+    def update(self, k, v, step):
+        if self.k is None:
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        if self.pending is not None and step == 0:  # the previous chunk's means replace its step-R k, v
+            start, end, sum_k, sum_v = self.pending
+            self.k[:, :, start:end] = sum_k / self.num_steps
+            self.v[:, :, start:end] = sum_v / self.num_steps
+            self.pending = None
+        start, end = self.length, self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; cannot append up to {end}")
+        self.k[:, :, start:end] = k  # this step's k, v for the chunk's own attention
+        self.v[:, :, start:end] = v
+        if self.mode == 'mean':  # running sum over steps, in fp32 so ten bf16 steps do not lose bits
+            if step == 0:
+                self.sum_k, self.sum_v = k.float(), v.float()
+            else:
+                self.sum_k, self.sum_v = self.sum_k + k.float(), self.sum_v + v.float()
+        if step == self.num_steps - 1:  # last step: the chunk's entries are now stored
+            self.length = end
+            if self.mode == 'mean':
+                self.pending = (start, end, self.sum_k, self.sum_v)
+                self.sum_k = self.sum_v = None
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CoreStepCache:
+    """The handle of one CoreLayerCache at one recurrence step, with KVCache's interface (k, v and
+    length too: torch.compile's guards read them when a compiled step meets another cache kind)."""
+
+    def __init__(self, layer_cache, step):
+        self.layer_cache, self.step = layer_cache, step
+
+    @property
+    def length(self):
+        return self.layer_cache.length
+
+    @property
+    def k(self):
+        return self.layer_cache.k
+
+    @property
+    def v(self):
+        return self.layer_cache.v
+
+    def update(self, k, v):
+        return self.layer_cache.update(k, v, self.step)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -250,13 +334,27 @@ class LanguageModel(nn.Module):
                 block.compile(**compile_kwargs)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None, use_cache=True):
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 is greedy.
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None, use_cache=True,
+                 kv_mode='per_step'):
+        """Append max_new_tokens sampled tokens to idx (B, T) and return it; temperature 0 is greedy.
+        kv_mode (GRT only; see KV_MODES and CoreLayerCache): 'per_step' (exact, the default),
+        'shared' or 'mean'. generate_tokens yields the same tokens one at a time, for streaming."""
+        new_tokens = list(self.generate_tokens(idx, max_new_tokens, temperature, top_k, num_steps,
+                                               use_cache, kv_mode))
+        return torch.cat([idx, *new_tokens], dim=1)
 
-        With the KV cache each new token costs one position's forward pass. Once the context
-        exceeds block_size it is cropped to its last block_size tokens, as nanoGPT does, and the
-        cache is rebuilt from that window: every token's learned absolute position shifts by one
-        when the window slides, so no rolling cache could give the same result."""
+    @torch.no_grad()
+    def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None,
+                        use_cache=True, kv_mode='per_step'):
+        """Yield max_new_tokens sampled tokens after idx (B, T), each of shape (B, 1), as generated.
+
+        With the KV cache the prompt is prefilled in one forward pass, then each new token costs one
+        position's forward pass. Once the context exceeds block_size it is cropped to its last
+        block_size tokens, as nanoGPT does, and the cache is rebuilt from that window: every token's
+        learned absolute position shifts by one when the window slides, so no rolling cache could
+        give the same result."""
+        if not use_cache and kv_mode != 'per_step':
+            raise ValueError(f"kv_mode={kv_mode!r} is a KV-cache approximation; it needs use_cache=True")
         block_size = self.config.block_size
         kv_cache = None
         for _ in range(max_new_tokens):
@@ -266,10 +364,12 @@ class LanguageModel(nn.Module):
                 logits, _ = self(idx[:, -1:], num_steps=num_steps, kv_cache=kv_cache)
             else:  # first step, or the window is full and slides: (re)build the cache
                 context = idx[:, -block_size:]
-                kv_cache = self.new_kv_cache(min(block_size, context.size(1) + max_new_tokens), num_steps)
+                max_len = min(block_size, context.size(1) + max_new_tokens)
+                kv_cache = self.new_kv_cache(max_len, num_steps, kv_mode=kv_mode)
                 logits, _ = self(context, num_steps=num_steps, kv_cache=kv_cache)
-            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
-        return idx
+            token = sample_next(logits[:, -1, :], temperature, top_k)
+            idx = torch.cat((idx, token), dim=1)
+            yield token
 
     def sample_depth(self, generator):
         """The depth of one training micro-step, drawn by the caller's generator (train.py keys it on
@@ -321,7 +421,10 @@ class GPT(LanguageModel):
             x = block(x, kv_cache[i] if kv_cache else None)
         return x
 
-    def new_kv_cache(self, max_len, num_steps=None):
+    def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
+        """One exact cache per layer. kv_mode exists for GRT's core; a dense model has only per_step."""
+        if kv_mode != 'per_step':
+            raise ValueError(f"kv_mode={kv_mode!r} applies to a GRT's recurrent core; a GPT has only 'per_step'")
         return [KVCache(max_len) for _ in self.transformer.h]
 
     def flops_per_token(self, seq_len, num_steps=None):
@@ -456,10 +559,30 @@ class GRT(LanguageModel):
         c = self.config
         return c.n_prelude + c.n_core * r + c.n_coda
 
-    def new_kv_cache(self, max_len, num_steps=None):
-        """One cache per executed layer: prelude layers, every core layer at every step, coda."""
+    def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
+        """The caches of one generation, a list in the order body() executes its layers: the
+        prelude layers, core layer j at step s (index n_prelude + s * n_core + j), the coda layers.
+        Prelude and coda layers get one exact KVCache each. The core, by kv_mode:
+          'per_step' (the paper's, exact): an own KVCache for every core layer at every step s, so a
+                new token at step s attends to earlier tokens' step-s keys and values; equals the
+                uncached forward. Memory: n_core * R caches.
+          'shared': one CoreLayerCache per core layer; a new token at step s attends to earlier
+                tokens' keys and values from their final step R (and its own step-s ones).
+          'mean':   one CoreLayerCache per core layer holding each earlier token's keys and values
+                averaged over the R steps (and its own step-s ones).
+        'shared' and 'mean' hold n_core caches instead of n_core * R and change the function
+        (bench.py measures their val loss); a prefilled chunk is exact within itself."""
         r = self.resolve_steps(self.config.n_recur if num_steps is None else num_steps)
-        return [KVCache(max_len) for _ in range(self.num_block_passes(r))]
+        c = self.config
+        if kv_mode == 'per_step':
+            return [KVCache(max_len) for _ in range(self.num_block_passes(r))]
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"unknown kv_mode {kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+        layers = [CoreLayerCache(max_len, r, kv_mode) for _ in range(c.n_core)]
+        per_step = [layer.steps() for layer in layers]  # per_step[j][s]: core layer j at step s
+        core = [per_step[j][s] for s in range(r) for j in range(c.n_core)]
+        return ([KVCache(max_len) for _ in range(c.n_prelude)] + core +
+                [KVCache(max_len) for _ in range(c.n_coda)])
 
     def compile_regions(self, **compile_kwargs):
         """Prelude and coda blocks compiled once each, and one recurrence step compiled once:
