@@ -241,7 +241,7 @@ class MoR(GRT):
 
     def sample_depth(self, generator):
         """MoR always trains all N_r recursions (its routers decide the depth of each token)."""
-        return None
+        return self.config.n_recur
 
     def mean_train_steps(self):
         return self.config.n_recur

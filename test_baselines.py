@@ -364,6 +364,7 @@ def test_mor_training_matches_expert_choice_written_out():
 
 def test_mor_capacity_schedule_is_hierarchical():
     model = mor(n_recur=3).train()
+    assert model.sample_depth(torch.Generator()) == 3  # every training pass runs all N_r recursions
     masks = record_routing(model)
     model(torch.randint(0, V, (4, 30)))
     assert [m.sum(dim=1).tolist() for m in masks] == [[30] * 4, [20] * 4, [10] * 4]
