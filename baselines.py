@@ -254,7 +254,7 @@ class MoR(GRT):
         blocks, bias additions are not counted).
         At inference the auxiliary router's choices may keep more or fewer tokens than f_s."""
         c, d, a = self.config, self.config.n_embd, self.config.router_hidden
-        r = c.n_recur if num_steps is None else num_steps
+        r = c.n_recur if num_steps is None else round(num_steps)  # train.py passes a mean (float) depth
         flops = (c.n_prelude + c.n_coda) * (24 * d * d + 4 * seq_len * d)
         for s in range(r):
             f = (c.n_recur - s) / c.n_recur

@@ -205,6 +205,7 @@ def test_flops_per_token_matches_counted_matmuls(name):
         model.eval()
     idx = torch.randint(0, V, (2, 30))
     assert counted_forward_flops(model, idx) == pytest.approx(model.flops_per_token(30), rel=1e-9)
+    assert model.flops_per_token(30, float(model.mean_train_steps())) > 0  # train.py passes a float mean
 
 
 def test_huginn_backward_flops_do_not_grow_past_backprop_depth():
