@@ -1,0 +1,136 @@
+"""bench.py: the memory measurement against known allocations, the tiny-scale run and its JSON line,
+and the val loss of each kv_mode through the KV cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import model
+import prepare_data
+from test_sample import CHARS, save_checkpoint, tiny_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
+
+
+def test_cpu_peak_bytes_of_a_known_allocation_pattern():
+    def allocate():
+        a = torch.empty(1000, 1000)  # 4,000,000 bytes
+        b = torch.empty(250, 1000)  # + 1,000,000
+        del a  # - 4,000,000
+        c = torch.empty(2000, 1000)  # + 8,000,000: the peak is b + c, not a + b + c nor c alone
+        return b, c
+
+    (b, c), peak = bench.cpu_peak_bytes(allocate)
+    assert peak == 9_000_000
+    _, peak = bench.cpu_peak_bytes(lambda: torch.ones(3, 1000, dtype=torch.float64).sum())
+    assert 24_000 <= peak <= 24_000 + 64  # the tensor, plus the 0-d sum
+
+
+def test_tensor_bytes_counts_tied_weights_once():
+    m = tiny_model('gpt')
+    unique = sum(p.numel() for p in m.parameters()) * 4  # parameters() yields the tied head once
+    assert bench.tensor_bytes(list(m.state_dict().values())) == unique  # the state dict lists it twice
+
+
+def test_peak_decode_memory_holds_weights_and_cache():
+    """Measured peak >= weights + the whole KV cache (allocated at the first forward), and the rest
+    (activations, logits) is small for a tiny model."""
+    m = tiny_model('grt').float()
+    c = dict(bench.DEFAULTS, prompt_len=20, new_tokens=10, kv_mode='per_step')
+    idx = torch.randint(len(CHARS), (2, 20))
+    peak = bench.peak_decode_memory(m, idx, c, 'cpu')
+    kv = bench.kv_bytes_per_token(m, 'per_step', 4)
+    assert kv == m.num_block_passes(m.config.n_recur) * 2 * 64 * 4
+    floor = bench.tensor_bytes(list(m.parameters())) + kv * 30 * 2
+    assert floor <= peak <= floor + 400_000
+    # one shared cache per core layer: the peak falls by the R - 1 steps' caches it does not keep
+    c['kv_mode'] = 'shared'
+    saved = (m.config.n_recur - 1) * m.config.n_core * 2 * 64 * 4 * 30 * 2
+    assert bench.kv_bytes_per_token(m, 'shared', 4) == kv - saved // 60
+    assert abs((peak - bench.peak_decode_memory(m, idx, c, 'cpu')) - saved) < 20_000
+
+
+def run_bench(*args):
+    r = subprocess.run([sys.executable, 'bench.py', '--scale=tiny', '--device=cpu', '--prompt_len=8',
+                        '--new_tokens=4', *args], cwd=HERE, capture_output=True, text=True,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_tiny_scale_json_line_has_every_field():
+    out, result = run_bench('--dtype=float32', '--compile=False', '--kv_mode=shared')
+    assert 'peak decode memory' in out and 'decode ms/token (eager)' in out  # the readable table
+    assert set(result) == JSON_KEYS
+    assert (result['scale'], result['device'], result['dtype']) == ('tiny', 'cpu', 'float32')
+    assert (result['batch_size'], result['prompt_len'], result['new_tokens']) == (1, 8, 4)
+    assert set(result['models']) == {'gpt', 'grt_isoflop', 'grt_isoparam'}
+    for key, m in result['models'].items():
+        assert set(m) == set(bench.FIELDS), key
+        assert m['decode_ms_per_token_compiled'] is None
+        assert m['prefill_ms'] > 0 and m['decode_ms_per_token'] > 0
+        assert m['analytic_mem_bytes'] == m['params'] * 4 + m['kv_bytes_per_token'] * 12
+        assert m['analytic_mem_bytes'] <= m['peak_mem_bytes'] < m['analytic_mem_bytes'] + 1_000_000
+    gpt, flop, param = (result['models'][k] for k in ('gpt', 'grt_isoflop', 'grt_isoparam'))
+    for key, spec in bench.SCALES['tiny'].items():  # params as the models count them, embeddings included
+        assert result['models'][key]['params'] == bench.build_preset(*spec).get_num_params(non_embedding=False)
+    assert (gpt['kv_mode'], flop['kv_mode']) == ('per_step', 'shared')
+    # KV per token: 4 dense layers; shared keeps one cache per unique block (1+1+1 and 1+2+1)
+    assert (gpt['kv_bytes_per_token'], flop['kv_bytes_per_token'], param['kv_bytes_per_token']) == (
+        4 * 2 * 64 * 4, 3 * 2 * 64 * 4, 4 * 2 * 64 * 4)
+
+
+def test_compiled_decode_is_timed_and_matches_eager():
+    m = tiny_model('grt', n_recur=2)
+    idx = torch.randint(len(CHARS), (1, 6))
+    eager = m.generate(idx, 5, temperature=0)
+    c = dict(bench.DEFAULTS, prompt_len=6, new_tokens=5, compile=True)
+    figures = bench.bench_model(m, c, 'cpu', 'float32')
+    assert figures['decode_ms_per_token_compiled'] > 0
+    assert figures['graphs_compiled'] >= 1
+    assert torch.equal(m.generate(idx, 5, temperature=0), eager)  # m is compiled now
+
+
+def test_prompt_that_does_not_fit_is_refused():
+    r = subprocess.run([sys.executable, 'bench.py', '--scale=tiny', '--prompt_len=60', '--new_tokens=8',
+                        '--compile=False'], cwd=HERE, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert 'prompt_len + new_tokens = 68 exceeds block_size 64' in r.stderr
+
+
+def test_cached_val_loss_per_step_equals_uncached_and_approximations_differ():
+    m = tiny_model('grt')
+    tokens = torch.randint(len(CHARS), (3, 41))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    logits, _ = m(x, targets=y)
+    uncached = torch.nn.functional.cross_entropy(logits[:, 9:].reshape(-1, len(CHARS)), y[:, 9:].reshape(-1))
+    losses = {mode: bench.cached_val_loss(m, tokens, 10, mode) for mode in model.KV_MODES}
+    assert losses['per_step'] == pytest.approx(uncached.item(), abs=1e-5)
+    assert abs(losses['shared'] - losses['per_step']) > 1e-4
+    assert abs(losses['mean'] - losses['per_step']) > 1e-4
+
+
+def test_out_dir_reports_val_loss_per_kv_mode(tmp_path, capsys):
+    data_dir = tmp_path / 'data'
+    os.makedirs(data_dir / 'chars')
+    rng = np.random.default_rng(0)
+    prepare_data.write_tokens(str(data_dir / 'chars' / 'val.bin'), rng.integers(0, len(CHARS), 5000))
+    out_dir = save_checkpoint(str(tmp_path / 'out'), tiny_model('grt'), 'grt')
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt['config'] = dict(data_dir=str(data_dir), dataset='chars')
+    torch.save(ckpt, ckpt_path)
+    bench.main([f'--out_dir={out_dir}', '--device=cpu', '--dtype=float32', '--compile=False',
+                '--prompt_len=8', '--new_tokens=4'])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    trained = result['models']['trained']
+    assert set(trained['val_loss']) == set(model.KV_MODES)
+    # a random model over 62 characters: every loss near ln(62)
+    assert all(3.5 < v < 4.7 for v in trained['val_loss'].values())
