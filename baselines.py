@@ -70,7 +70,7 @@ class Huginn(GRT):
         tau has mean r_mean and a heavy right tail, so a few passes train very deep."""
         c = self.config
         mu = math.log(c.n_recur) - c.depth_sigma ** 2 / 2
-        tau = torch.empty(count).log_normal_(mu, c.depth_sigma, generator=generator)
+        tau = torch.empty(count, device='cpu').log_normal_(mu, c.depth_sigma, generator=generator)  # CPU generator
         return (torch.poisson(tau, generator=generator) + 1).clamp(max=3 * c.n_recur).long()
 
     def sample_depth(self, generator):
