@@ -458,3 +458,34 @@ def test_compile_regions_never_recompile_across_depths(name):
             for T in (30, 23):
                 torch.testing.assert_close(model(idx[:, :T], targets=idx[:, :T])[1],
                                            eager(idx[:, :T], targets=idx[:, :T])[1], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The isoFLOP configs: each variant's training FLOPs per token match the GRT config of its scale
+
+
+def config_model(path):
+    """The model train.py builds from a config file (on the meta device: no memory, no time)."""
+    import train
+    from config import parse_config
+    model_type, args = train.requested_model(parse_config(train.DEFAULTS, [path]), {'vocab_size': 50304})
+    with torch.device('meta'):
+        return build_model(model_type or 'gpt', **args)
+
+
+def train_flops(model, seq_len, draws=2000):
+    """Training FLOPs per token averaged over the depths training draws (estimate_mfu at 1 token/s
+    against a 1 FLOP/s peak is the FLOPs of one trained token)."""
+    gen = torch.Generator().manual_seed(0)
+    return sum(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws)) / draws
+
+
+@pytest.mark.parametrize('path, reference, tolerance', [
+    ('config/huginn_small.py', 'config/grt_small.py', 0.01),
+    ('config/mor_small.py', 'config/grt_small.py', 0.03),
+])
+def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
+    model, grt = config_model(path), config_model(reference)
+    seq_len = grt.config.block_size
+    assert model.config.block_size == seq_len and model.config.n_embd == grt.config.n_embd
+    assert train_flops(model, seq_len) == pytest.approx(train_flops(grt, seq_len), rel=tolerance)
