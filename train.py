@@ -315,11 +315,15 @@ def get_lr(it, c):
 def save_checkpoint(path, checkpoint):
     """Write to a temporary file, then rename: a crash or Ctrl-C mid-write never leaves a torn ckpt.pt."""
     tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def truncate_log(path, iter_num):
@@ -392,7 +396,7 @@ def main(argv=None):
     raw_model.to(device)
     optimizer = raw_model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), device_type)
     scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')
-    data_gen = torch.Generator()  # reseeded for every batch: (seed, rank, iteration, micro-step)
+    data_gen = torch.Generator()  # reseeded for every batch: (seed, iteration, global micro-step)
     depth_gen = torch.Generator()  # reseeded for every micro-step: (seed, iteration, micro-step), rank-free
     iter_num, best_val_loss, tokens_seen, time_before = 0, float('inf'), 0, 0.0
     if checkpoint is not None:
@@ -411,7 +415,8 @@ def main(argv=None):
     peak = peak_flops_for(device, ptdtype, c['peak_flops']) if master else 0.0
 
     def train_batch(it, micro):
-        data_gen.manual_seed(rng_key(c['seed'], 'data', rank, it, micro))
+        # keyed on the global micro-step, so 2 ranks x 1 micro-step read what 1 rank x 2 would
+        data_gen.manual_seed(rng_key(c['seed'], 'data', it, rank * accum + micro))
         return train_batches.get(data_gen)
 
     @torch.no_grad()
