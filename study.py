@@ -1,0 +1,304 @@
+"""
+The paper's comparisons at laptop scale, on shakespeare_char, with one resumable command:
+
+    python study.py                       # the whole study (see README for its wall time here)
+    python study.py --sections=isoflop,depth --seeds=1 --iters=300   # a quick partial look
+
+Each run is `python train.py config/study.py <model> --seed=S --max_iters=N --out_dir=...`, its output
+kept in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt). A run with result.json is done and
+never redone; a run with a checkpoint but no result.json resumes (--init_from=resume), so Ctrl-C and
+rerun loses at most one evaluation interval. At the end it writes <out_dir>/RESULTS.md (tables) and,
+when matplotlib is installed, loss_curves.png and depth.png.
+
+Sections:
+  isoflop   dense GPT, GRT, huginn, mor and ladder rung 2 at matched training FLOPs per token and
+            matched tokens, `seeds` seeds each
+  budget2x  dense and GRT with twice the tokens
+  isoparam  dense against a GRT with a deeper shared core (the same unique blocks)
+  depth     the trained isoFLOP GRT evaluated at R = 1 .. 2R
+  ladder    the five rungs of the ablation ladder, all at matched training FLOPs (rung 2, plain
+            recurrence, and rung 5, the GRT, are isoflop runs)
+  bench     bench.py's small and large decode tables
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import prepare_data
+from config import ConfigError, parse_config
+from model import build_model, from_checkpoint
+from train import Batches, rng_key
+
+DEFAULTS = dict(
+    out_dir='results/study',
+    data_dir='data',
+    sections='isoflop,budget2x,isoparam,depth,ladder,bench',
+    seeds=2,
+    iters=1500,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each
+    depth_eval_iters=20,  # val batches (of the recipe's 12 x 64 tokens) per depth in the depth section
+)
+RECIPE = 'config/study.py'
+SEQ_LEN = 64  # the recipe's block_size
+
+# The models, each as train.py model fields. Every model but grt_deep is matched to the 6-layer
+# dense model in *training* FLOPs per token (within 3%, depth drawn as training draws it; see
+# train_flops_per_token and the table in RESULTS.md), so at eval depth the recurrent ones spend more.
+MODELS = {
+    'gpt': dict(model_type='gpt', n_layer=6),
+    # 1 + 1x5 + 1: r ~ U{1..5} in training, mean 3 core passes + 2 unique blocks, plus W_proj and gate
+    'grt': dict(model_type='grt', n_prelude=1, n_core=1, n_recur=5, n_coda=1),
+    # heavy-tail depth: r_mean 4 (E[r] about 4.5 with Poisson's +1), backprop through the last 3 steps
+    'huginn': dict(model_type='huginn', n_prelude=1, n_core=1, n_recur=4, n_coda=1, backprop_depth=3),
+    # middle-cycle sharing: unique first and last layers, the shared middle recursed 7 times, routed
+    'mor': dict(model_type='mor', n_prelude=1, n_core=1, n_recur=7, n_coda=1),
+    # the ablation ladder, each rung at the same training FLOPs (the parts it lacks buy more steps):
+    'rung1': dict(model_type='grt', rung=1, n_prelude=0, n_core=1, n_recur=11, n_coda=0),  # recurrence alone
+    'rung2': dict(model_type='grt', rung=2, n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + prelude/coda
+    'rung3': dict(model_type='grt', rung=3, n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + state noise
+    'rung4': dict(model_type='grt', rung=4, n_prelude=1, n_core=1, n_recur=6, n_coda=1),  # + re-injection
+    # isoParam: the dense model's 6 unique blocks, 4 of them as a core run 3 times
+    'grt_deep': dict(model_type='grt', n_prelude=1, n_core=4, n_recur=3, n_coda=1),
+}
+LADDER = ['rung1', 'rung2', 'rung3', 'rung4', 'grt']  # rung 5 is the full GRT
+SECTIONS = {  # section -> [(model, iterations multiplier)]
+    'isoflop': [(m, 1) for m in ('gpt', 'grt', 'huginn', 'mor', 'rung2')],
+    'budget2x': [('gpt', 2), ('grt', 2)],
+    'isoparam': [('gpt', 1), ('grt_deep', 1)],
+    'ladder': [(m, 1) for m in LADDER],
+}
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+# -----------------------------------------------------------------------------
+# FLOPs per token, each model by its own accounting
+
+
+def model_of(name):
+    fields = {k: v for k, v in MODELS[name].items() if k != 'model_type'}
+    with torch.device('meta'):
+        return build_model(MODELS[name]['model_type'], block_size=SEQ_LEN, vocab_size=65, n_embd=128,
+                           n_head=4, **fields)
+
+
+def train_flops_per_token(model, draws=4096):
+    """Mean training FLOPs per token over the depths training draws: the model's own estimate_mfu
+    at one token per second against a peak of 1 FLOP/s is exactly its FLOPs per trained token."""
+    gen = torch.Generator().manual_seed(0)
+    return statistics.fmean(model.estimate_mfu(1, 1.0, 1.0, SEQ_LEN, model.sample_depth(gen)) for _ in range(draws))
+
+
+def flops_table(names):
+    dense = model_of('gpt')
+    dense_train, dense_infer = train_flops_per_token(dense), dense.flops_per_token(SEQ_LEN)
+    rows = ['| model | layout | unique params (non-emb.) | train FLOPs/token | x dense | inference FLOPs/token | x dense |',
+            '|---|---|---|---|---|---|---|']
+    for name in names:
+        m = model_of(name)
+        tr, inf = train_flops_per_token(m), m.flops_per_token(SEQ_LEN)
+        rows.append(f"| {name} | {layout(name)} | {m.get_num_params() / 1e6:.3f}M | {tr / 1e6:.2f}M | "
+                    f"{tr / dense_train:.2f} | {inf / 1e6:.2f}M | {inf / dense_infer:.2f} |")
+    return rows
+
+
+def layout(name):
+    f = MODELS[name]
+    if f['model_type'] == 'gpt':
+        return f"{f['n_layer']} layers"
+    return f"{f['n_prelude']}+{f['n_core']}x{f['n_recur']}+{f['n_coda']}"
+
+
+# -----------------------------------------------------------------------------
+# Runs
+
+
+def run_name(model, mult, seed):
+    return f"{model}-x{mult}-s{seed}"
+
+
+def run_training(c, model, mult, seed, runs_dir):
+    """Train one run to completion (resuming a started one); return its result dict."""
+    out = os.path.join(runs_dir, run_name(model, mult, seed))
+    result_path = os.path.join(out, 'result.json')
+    if os.path.isfile(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    os.makedirs(out, exist_ok=True)
+    resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
+    fields = [f"--{k}={v}" for k, v in MODELS[model].items()]
+    cmd = [sys.executable, 'train.py', RECIPE, *fields, f"--seed={seed}", f"--max_iters={c['iters'] * mult}",
+           f"--out_dir={out}", f"--data_dir={c['data_dir']}", f"--init_from={'resume' if resume else 'scratch'}"]
+    with open(os.path.join(out, 'train.log'), 'a') as log:
+        t0 = time.time()
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        fail(f"run {run_name(model, mult, seed)} failed (exit {done.returncode}); see {out}/train.log, "
+             f"then rerun study.py to continue")
+    records = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
+    evals = [(r['iter'], r['tokens'], r['val_loss']) for r in records if 'val_loss' in r]
+    result = dict(model=model, mult=mult, seed=seed, best_val_loss=min(v for _, _, v in evals),
+                  final_val_loss=evals[-1][2], tokens=records[-1]['tokens'], train_time_s=records[-1]['time_s'],
+                  wall_s=round(time.time() - t0, 1), evals=evals,
+                  train_curve=[(r['tokens'], r['loss']) for r in records])
+    with open(result_path + '.tmp', 'w') as f:
+        json.dump(result, f)
+    os.replace(result_path + '.tmp', result_path)
+    return result
+
+
+@torch.no_grad()
+def depth_losses(c, runs_dir, seed):
+    """Val loss of the trained isoFLOP GRT at every R from 1 to 2R, on fixed validation batches."""
+    path = os.path.join(runs_dir, run_name('grt', 1, seed), 'depth.json')
+    if os.path.isfile(path):
+        with open(path) as f:
+            return {int(k): v for k, v in json.load(f).items()}
+    ckpt = torch.load(os.path.join(os.path.dirname(path), 'ckpt.pt'), map_location='cpu', weights_only=False)
+    model = from_checkpoint(ckpt).eval()
+    val = [prepare_data.read_tokens(p) for p in prepare_data.token_files(os.path.join(c['data_dir'], 'shakespeare_char'), 'val')]
+    batches = Batches(val, SEQ_LEN, ckpt['config']['batch_size'], 'cpu')
+    data = [batches.get(torch.Generator().manual_seed(rng_key(0, 'depth', k))) for k in range(c['depth_eval_iters'])]
+    R = model.config.n_recur
+    losses = {r: statistics.fmean(model(x, y, num_steps=r)[1].item() for x, y in data) for r in range(1, 2 * R + 1)}
+    with open(path, 'w') as f:
+        json.dump(losses, f)
+    return losses
+
+
+def run_bench(scale, out_dir):
+    """bench.py's table at one scale, kept as text; rerun only if missing."""
+    path = os.path.join(out_dir, f'bench_{scale}.txt')
+    if not os.path.isfile(path):
+        done = subprocess.run([sys.executable, 'bench.py', f'--scale={scale}'], capture_output=True, text=True)
+        if done.returncode != 0:
+            fail(f"bench.py --scale={scale} failed: {done.stderr.strip().splitlines()[-1:]}")
+        with open(path + '.tmp', 'w') as f:
+            f.write(done.stdout)
+        os.replace(path + '.tmp', path)
+    with open(path) as f:
+        return f.read()
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+
+def mean_spread(values):
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def loss_table(results, models, mult):
+    rows = ['| model | layout | best val loss (mean ± std over seeds) | seeds | tokens | train time (s, mean) |',
+            '|---|---|---|---|---|---|']
+    for m in models:
+        rs = [r for r in results if r['model'] == m and r['mult'] == mult]
+        if rs:
+            rows.append(f"| {m} | {layout(m)} | {mean_spread([r['best_val_loss'] for r in rs])} | {len(rs)} | "
+                        f"{rs[0]['tokens']:,} | {statistics.fmean(r['train_time_s'] for r in rs):.0f} |")
+    return rows
+
+
+def plot(results, depth, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: tables only (pip install matplotlib for the plots)")
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in sorted(results, key=lambda r: (r['mult'], r['model'], r['seed'])):
+        tokens, losses = zip(*[(t, v) for _, t, v in r['evals']])
+        ax.plot(tokens, losses, marker='.', label=f"{r['model']} x{r['mult']} s{r['seed']}")
+    ax.set(xlabel='training tokens', ylabel='val loss', title='shakespeare_char: val loss during training')
+    ax.set_ylim(top=2.6)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, 'loss_curves.png'), dpi=120)
+    files = ['loss_curves.png']
+    if depth:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for seed, losses in depth.items():
+            ax.plot(list(losses), list(losses.values()), marker='o', label=f"GRT seed {seed}")
+        ax.axvline(MODELS['grt']['n_recur'], color='gray', ls='--', label='trained R')
+        ax.set(xlabel='test-time recurrence steps R', ylabel='val loss', title='GRT: val loss against test-time depth')
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, 'depth.png'), dpi=120)
+        files.append('depth.png')
+    return files
+
+
+def write_report(c, results, depth, benches, wall_s, out_dir):
+    run_minutes = sum(r['wall_s'] for r in results) / 60
+    lines = ['# Study results', '',
+             f"shakespeare_char (character level), recipe `{RECIPE}`, {c['iters']} iterations a run "
+             f"(x2 in budget2x), {c['seeds']} seed(s). Training runs took {run_minutes:.1f} min of wall time "
+             f"in all; this invocation of `python study.py` took {wall_s / 60:.1f} min (runs already done "
+             f"are not redone).", '']
+    lines += ['## Models and FLOPs (sequence length 64, LM head excluded)', ''] + flops_table(list(MODELS)) + ['']
+    for title, models, mult in (('isoFLOPs', SECTIONS['isoflop'], 1), ('Twice the tokens', SECTIONS['budget2x'], 2),
+                                ('isoParams', SECTIONS['isoparam'], 1), ('Ablation ladder', SECTIONS['ladder'], 1)):
+        rows = loss_table(results, [m for m, _ in models], mult)
+        if len(rows) > 2:
+            lines += [f'## {title}', ''] + rows + ['']
+    if depth:
+        lines += ['## Test-time depth (GRT trained with R = %d)' % MODELS['grt']['n_recur'], '',
+                  '| R | ' + ' | '.join(f'seed {s}' for s in depth) + ' |', '|---|' + '---|' * len(depth)]
+        for r in next(iter(depth.values())):
+            lines.append(f'| {r} | ' + ' | '.join(f'{depth[s][r]:.4f}' for s in depth) + ' |')
+        lines.append('')
+    for scale, text in benches.items():
+        lines += [f'## Decode benchmark, {scale} scale (`python bench.py --scale={scale}`)', '', '```',
+                  *[l for l in text.splitlines() if not l.startswith('{')], '```', '']
+    for name in plot(results, depth, out_dir):
+        lines += [f'![{name}]({name})', '']
+    with open(os.path.join(out_dir, 'RESULTS.md'), 'w') as f:
+        f.write('\n'.join(lines))
+
+
+def main(argv=None):
+    try:
+        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        fail(e)
+    sections = [s for s in c['sections'].split(',') if s]
+    unknown = [s for s in sections if s not in (*SECTIONS, 'depth', 'bench')]
+    if unknown:
+        fail(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join([*SECTIONS, 'depth', 'bench'])}")
+    runs_dir = os.path.join(c['out_dir'], 'runs')
+    os.makedirs(runs_dir, exist_ok=True)
+    wanted = []
+    for s in sections:
+        for model, mult in SECTIONS.get(s, []) + ([('grt', 1)] if s == 'depth' else []):
+            for seed in range(c['seeds']):
+                if (model, mult, seed) not in wanted:
+                    wanted.append((model, mult, seed))
+    t0 = time.time()
+    results = []
+    units = sum(mult for _, mult, _ in wanted)
+    with tqdm(total=units, desc='study', unit='run') as bar:
+        for model, mult, seed in wanted:
+            bar.set_postfix_str(run_name(model, mult, seed))
+            results.append(run_training(c, model, mult, seed, runs_dir))
+            bar.write(f"{run_name(model, mult, seed)}: best val loss {results[-1]['best_val_loss']:.4f}")
+            bar.update(mult)
+    depth = {seed: depth_losses(c, runs_dir, seed) for seed in range(c['seeds'])} if 'depth' in sections else {}
+    benches = {scale: run_bench(scale, c['out_dir']) for scale in ('small', 'large')} if 'bench' in sections else {}
+    write_report(c, results, depth, benches, time.time() - t0, c['out_dir'])
+    print(f"wrote {os.path.join(c['out_dir'], 'RESULTS.md')} in {(time.time() - t0) / 60:.1f} min")
+
+
+if __name__ == '__main__':
+    main()
