@@ -480,9 +480,14 @@ def train_flops(model, seq_len, draws=2000):
     return sum(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws)) / draws
 
 
+SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
+
+
 @pytest.mark.parametrize('path, reference, tolerance', [
     ('config/huginn_small.py', 'config/grt_small.py', 0.01),
     ('config/mor_small.py', 'config/grt_small.py', 0.03),
+    *[(f'config/shakespeare_char_{name}.py', f'config/shakespeare_char_{ref}.py', 0.03)
+      for name in SHAKESPEARE for ref in ('gpt', 'grt')],
 ])
 def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
     model, grt = config_model(path), config_model(reference)
