@@ -205,6 +205,13 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert os.listdir(tmp_path) == ['ckpt.pt']
 
 
+def test_log_truncation_keeps_lines_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / 'log.jsonl'
+    path.write_text(''.join(json.dumps({'iter': i, 'loss': 1.0}) + '\n' for i in range(1, 6)) + '{"iter": 6, "lo')
+    train.truncate_log(str(path), 3)
+    assert [json.loads(line)['iter'] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
 def test_learning_rate_schedule():
     c = dict(decay_lr=True, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
     assert train.get_lr(0, c) == pytest.approx(1 / 11)

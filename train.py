@@ -330,8 +330,13 @@ def truncate_log(path, iter_num):
     """Keep the log lines up to the checkpoint's iteration: the resumed run writes the rest again."""
     if not os.path.isfile(path):
         return
+    def keep(line):
+        try:
+            return json.loads(line)['iter'] <= iter_num
+        except (ValueError, KeyError):
+            return False  # a line torn by a hard kill
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)['iter'] <= iter_num]
+        lines = [line for line in f if keep(line)]
     with open(path + '.tmp', 'w') as f:
         f.writelines(lines)
     os.replace(path + '.tmp', path)
@@ -366,6 +371,10 @@ def main(argv=None):
     except ConfigError as e:
         fail(e)
 
+    for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
+        if c[key] < 1:
+            fail(f"{key} must be >= 1, got {c[key]}")
+
     # --- devices and processes: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
     ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
     rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
@@ -393,6 +402,8 @@ def main(argv=None):
     raw_model, checkpoint = init_model(c, meta, ckpt_path)
     model_type = next(name for name, (_, cls) in MODELS.items() if type(raw_model) is cls)
     block_size = c['block_size'] or raw_model.config.block_size  # may be shorter than a GPT-2's 1024
+    if block_size > raw_model.config.block_size:
+        fail(f"block_size={block_size} exceeds the model's {raw_model.config.block_size}; lower it")
     raw_model.to(device)
     optimizer = raw_model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), device_type)
     scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')
