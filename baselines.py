@@ -176,29 +176,31 @@ class MoR(GRT):
         for step in range(r):
             weight = torch.sigmoid(self.routers[step](h)).squeeze(-1)  # (B, T) router weight g
             aux_logit = self.aux_routers[step](h.detach()).squeeze(-1)
-            if self.training:
-                chosen = self.expert_choice(weight, active, step)
+            step_caches = caches[step * n: (step + 1) * n]
+            if self.training:  # expert choice: the same k in every row, so one batched gather
+                idx = self.expert_choice(weight, active, step)
+                chosen = torch.zeros_like(active).scatter(1, idx, True)
                 bce = F.binary_cross_entropy_with_logits(aux_logit[active], chosen[active].float())
                 self.router_loss = bce if self.router_loss is None else self.router_loss + bce
-            else:
-                chosen = active & (aux_logit > 0)  # causal: each token decides from itself
-            h = self.routed_core(h, weight, chosen, caches[step * n: (step + 1) * n])
+                h = self.update_chosen(h, weight, idx, step_caches)
+            else:  # the auxiliary router: causal, each token decides from itself; rows keep different counts
+                chosen = active & (aux_logit > 0)
+                h = self.update_rows(h, weight, chosen, step_caches)
             active = chosen
         return h
 
     def expert_choice(self, weight, active, step):
-        """(B, T) mask of the top-k active tokens of each row by router weight (training only)."""
+        """(B, k) positions of the top-k active tokens of each row by router weight, ascending
+        (training only: it ranks each token against later ones)."""
         c = self.config
         k = math.ceil(weight.size(1) * (c.n_recur - step) / c.n_recur)
         scores = weight.detach().masked_fill(~active, -1.0)  # weights are in (0, 1): inactive lose
-        top = scores.topk(k, dim=1).indices
-        return torch.zeros_like(active).scatter(1, top, True)
+        return scores.topk(k, dim=1).indices.sort(dim=1).values
 
-    def routed_core(self, h, weight, chosen, caches):
-        counts = chosen.sum(dim=1)
-        if caches[0] is None and bool((counts == counts[0]).all()):  # training: k in every row, batched
-            return self.update_chosen(h, weight, chosen.nonzero()[:, 1].view(h.size(0), -1), caches)
-        rows = []  # rows chose different numbers of tokens, or each row has its own routed cache
+    def update_rows(self, h, weight, chosen, caches):
+        """update_chosen row by row, for a (B, T) mask whose rows keep different numbers of tokens;
+        each row has its own routed cache."""
+        rows = []
         for b in range(h.size(0)):
             row_caches = [None if cache is None else cache.row(b) for cache in caches]
             rows.append(self.update_chosen(h[b:b + 1], weight[b:b + 1], chosen[b].nonzero().view(1, -1), row_caches))

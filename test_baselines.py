@@ -46,14 +46,20 @@ def mixed_routing(model, std=2.0):
 
 
 def record_routing(model):
-    """Wrap model.routed_core to record the (B, T) chosen mask of every recursion."""
+    """Record the (B, T) mask of the tokens chosen at every recursion (expert choice in training,
+    the auxiliary router otherwise), by wrapping the model's methods."""
     chosen_masks = []
-    routed_core = model.routed_core
+    expert_choice, update_rows = model.expert_choice, model.update_rows
 
-    def recording(h, weight, chosen, caches):
+    def recording_expert_choice(weight, active, step):
+        idx = expert_choice(weight, active, step)
+        chosen_masks.append(torch.zeros_like(active).scatter(1, idx, True))
+        return idx
+
+    def recording_update_rows(h, weight, chosen, caches):
         chosen_masks.append(chosen.clone())
-        return routed_core(h, weight, chosen, caches)
-    model.routed_core = recording
+        return update_rows(h, weight, chosen, caches)
+    model.expert_choice, model.update_rows = recording_expert_choice, recording_update_rows
     return chosen_masks
 
 
