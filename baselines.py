@@ -39,7 +39,8 @@ class HuginnConfig(GRTConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.rung != 4:
-            raise ValueError(f"huginn's step is rung 4 (concatenation adapter, no gate); leave rung out, got {self.rung}")
+            raise ValueError(f"huginn's step is rung 4 (concatenation adapter, no gate); leave rung out, "
+                             f"got {self.rung}")
         if self.backprop_depth < 1 or self.depth_sigma <= 0 or self.state_init_std < 0:
             raise ValueError(f"huginn needs backprop_depth >= 1, depth_sigma > 0, state_init_std >= 0; got "
                              f"{self.backprop_depth}, {self.depth_sigma}, {self.state_init_std}")
