@@ -134,3 +134,11 @@ def test_out_dir_reports_val_loss_per_kv_mode(tmp_path, capsys):
     assert set(trained['val_loss']) == set(model.KV_MODES)
     # a random model over 62 characters: every loss near ln(62)
     assert all(3.5 < v < 4.7 for v in trained['val_loss'].values())
+
+
+def test_train_throughput_steps_the_model_and_gives_a_plausible_mfu():
+    m = tiny_model('grt').float()
+    before = m.transformer.core[0].mlp.c_fc.weight.detach().clone()
+    tokens_per_s, mfu = bench.train_throughput(m, dict(bench.DEFAULTS, batch_size=2), 'cpu', 'float32', steps=2)
+    assert tokens_per_s > 0 and 0 < mfu < 1
+    assert not torch.equal(before, m.transformer.core[0].mlp.c_fc.weight)  # AdamW stepped
