@@ -308,7 +308,8 @@ def print_table(models):
         print(f"{label:36s}" + ''.join(f"{cell:>24s}" for cell in cells))
     for n in names:
         if 'val_loss' in models[n]:
-            losses = ', '.join(f"{k} {v:.4f}" for k, v in models[n]['val_loss'].items())
+            exact = models[n]['val_loss']['per_step']
+            losses = ', '.join(f"{k} {v:.5f} ({v - exact:+.5f})" for k, v in models[n]['val_loss'].items())
             print(f"val loss through the KV cache ({n}): {losses}")
     print("(ratios are to the dense gpt; kv_mode: " + ', '.join(f"{n} {models[n]['kv_mode']}" for n in names) + ")")
 
@@ -356,12 +357,13 @@ def main(argv=None):
             print(f"training {key} ...", file=sys.stderr, flush=True)
             models[key].update(train_model(*SCALES[c['scale']][key], c, device, dtype))
 
-    print(f"scale {c['scale'] if not c['out_dir'] else c['out_dir']}, {device} "
+    scale = c['out_dir'] or c['scale']  # a trained model's own size
+    print(f"scale {scale}, {device} "
           f"({torch.get_num_threads()} threads), {dtype}, batch {c['batch_size']}, prompt {c['prompt_len']} "
           f"+ {c['new_tokens']} new tokens, torch {torch.__version__}")
     print_table(models)
     models = {key: {k: m[k] for k in FIELDS + OPTIONAL_FIELDS if k in m} for key, m in models.items()}
-    result = dict(scale=c['scale'], device=device, dtype=dtype, batch_size=c['batch_size'],
+    result = dict(scale=scale, device=device, dtype=dtype, batch_size=c['batch_size'],
                   prompt_len=c['prompt_len'], new_tokens=c['new_tokens'], models=models)
     print(json.dumps(result))
 

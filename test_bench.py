@@ -130,6 +130,7 @@ def test_out_dir_reports_val_loss_per_kv_mode(tmp_path, capsys):
     bench.main([f'--out_dir={out_dir}', '--device=cpu', '--dtype=float32', '--compile=False',
                 '--prompt_len=8', '--new_tokens=4'])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result['scale'] == out_dir
     trained = result['models']['trained']
     assert set(trained['val_loss']) == set(model.KV_MODES)
     # a random model over 62 characters: every loss near ln(62)
