@@ -41,7 +41,7 @@ DEFAULTS = dict(
     data_dir='data',
     sections='isoflop,budget2x,isoparam,depth,ladder,bench',
     seeds=2,
-    iters=1500,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each
+    iters=1000,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each
     depth_eval_iters=20,  # val batches (of the recipe's 12 x 64 tokens) per depth in the depth section
 )
 RECIPE = 'config/study.py'
@@ -121,13 +121,14 @@ def layout(name):
 # Runs
 
 
-def run_name(model, mult, seed):
-    return f"{model}-x{mult}-s{seed}"
+def run_name(c, model, mult, seed):
+    """Named by its iterations too, so a study rerun with another --iters never reuses a run."""
+    return f"{model}-{c['iters'] * mult}it-s{seed}"
 
 
 def run_training(c, model, mult, seed, runs_dir):
     """Train one run to completion (resuming a started one); return its result dict."""
-    out = os.path.join(runs_dir, run_name(model, mult, seed))
+    out = os.path.join(runs_dir, run_name(c, model, mult, seed))
     result_path = os.path.join(out, 'result.json')
     if os.path.isfile(result_path):
         with open(result_path) as f:
@@ -141,7 +142,7 @@ def run_training(c, model, mult, seed, runs_dir):
         t0 = time.time()
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        fail(f"run {run_name(model, mult, seed)} failed (exit {done.returncode}); see {out}/train.log, "
+        fail(f"run {run_name(c, model, mult, seed)} failed (exit {done.returncode}); see {out}/train.log, "
              f"then rerun study.py to continue")
     records = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
     evals = [(r['iter'], r['tokens'], r['val_loss']) for r in records if 'val_loss' in r]
@@ -158,7 +159,7 @@ def run_training(c, model, mult, seed, runs_dir):
 @torch.no_grad()
 def depth_losses(c, runs_dir, seed):
     """Val loss of the trained isoFLOP GRT at every R from 1 to 2R, on fixed validation batches."""
-    path = os.path.join(runs_dir, run_name('grt', 1, seed), 'depth.json')
+    path = os.path.join(runs_dir, run_name(c, 'grt', 1, seed), 'depth.json')
     if os.path.isfile(path):
         with open(path) as f:
             return {int(k): v for k, v in json.load(f).items()}
@@ -290,9 +291,9 @@ def main(argv=None):
     units = sum(mult for _, mult, _ in wanted)
     with tqdm(total=units, desc='study', unit='run') as bar:
         for model, mult, seed in wanted:
-            bar.set_postfix_str(run_name(model, mult, seed))
+            bar.set_postfix_str(run_name(c, model, mult, seed))
             results.append(run_training(c, model, mult, seed, runs_dir))
-            bar.write(f"{run_name(model, mult, seed)}: best val loss {results[-1]['best_val_loss']:.4f}")
+            bar.write(f"{run_name(c, model, mult, seed)}: best val loss {results[-1]['best_val_loss']:.4f}")
             bar.update(mult)
     depth = {seed: depth_losses(c, runs_dir, seed) for seed in range(c['seeds'])} if 'depth' in sections else {}
     benches = {scale: run_bench(scale, c['out_dir']) for scale in ('small', 'large')} if 'bench' in sections else {}
