@@ -48,7 +48,7 @@ RECIPE = 'config/study.py'
 SEQ_LEN = 64  # the recipe's block_size
 
 # The models, each as train.py model fields. Every model but grt_deep is matched to the 6-layer
-# dense model in *training* FLOPs per token (within 3%, depth drawn as training draws it; see
+# dense model in *training* FLOPs per token (within 3.5%, depth drawn as training draws it; see
 # train_flops_per_token and the table in RESULTS.md), so at eval depth the recurrent ones spend more.
 MODELS = {
     'gpt': dict(model_type='gpt', n_layer=6),

