@@ -149,7 +149,7 @@ class CoreLayerCache:
         self.max_len, self.num_steps, self.mode = max_len, num_steps, mode
         self.k = self.v = None
         self.length = 0  # tokens whose stored k, v are final (including a pending mean)
-        self.pending = None  # mean mode: (start, end, sum_k, sum_v) of the last chunk, to write in
+        self.pending = None  # mean mode: (start, end, mean_k, mean_v) of the last chunk, to write in
 
     def steps(self):
         """The R per-step handles GRT.body indexes, all backed by this one buffer."""
@@ -160,25 +160,29 @@ class CoreLayerCache:
             shape = (k.size(0), k.size(1), self.max_len, k.size(3))
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
         if self.pending is not None and step == 0:  # the previous chunk's means replace its step-R k, v
-            start, end, sum_k, sum_v = self.pending
-            self.k[:, :, start:end] = sum_k / self.num_steps
-            self.v[:, :, start:end] = sum_v / self.num_steps
+            start, end, mean_k, mean_v = self.pending
+            self.k[:, :, start:end] = mean_k
+            self.v[:, :, start:end] = mean_v
             self.pending = None
         start, end = self.length, self.length + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; cannot append up to {end}")
         self.k[:, :, start:end] = k  # this step's k, v for the chunk's own attention
         self.v[:, :, start:end] = v
-        if self.mode == 'mean':  # running sum over steps, in fp32 so ten bf16 steps do not lose bits
+        if self.mode == 'mean':
+            # running mean m_s = m_{s-1} + (k_s - m_{s-1}) / s, in the cache's dtype: it stays at the
+            # keys' scale (bf16 does not drift as a sum would), and a prompt's accumulators cost
+            # n_core x prompt x 2d elements, not twice that in fp32
             if step == 0:
-                self.sum_k, self.sum_v = k.float(), v.float()
+                self.mean_k, self.mean_v = k.clone(), v.clone()
             else:
-                self.sum_k, self.sum_v = self.sum_k + k.float(), self.sum_v + v.float()
+                self.mean_k = self.mean_k + (k - self.mean_k) / (step + 1)
+                self.mean_v = self.mean_v + (v - self.mean_v) / (step + 1)
         if step == self.num_steps - 1:  # last step: the chunk's entries are now stored
             self.length = end
             if self.mode == 'mean':
-                self.pending = (start, end, self.sum_k, self.sum_v)
-                self.sum_k = self.sum_v = None
+                self.pending = (start, end, self.mean_k, self.mean_v)
+                self.mean_k = self.mean_v = None
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
