@@ -143,6 +143,7 @@ class RoutedKVCache:
 
 
 class MoR(GRT):
+    kv_modes = ('per_step',)  # its own recursion-wise cache, exact
     """At recursion s each token still active gets a router weight g = sigmoid(w_s . h). In training
     the top-k active tokens of each row by g go on (expert choice, hierarchical: a token dropped
     once stays dropped; k = ceil(T (N_r - s) / N_r), a linear capacity schedule). Expert choice

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import prepare_data
 from config import ConfigError, parse_config
-from model import GRT, KV_MODES, MODELS, preset
+from model import KV_MODES, MODELS, preset
 from sample import autocast_context, load_model
 from train import peak_flops_for, pick_device, pick_dtype
 
@@ -216,8 +216,7 @@ def bench_model(model, c, device, dtype, val_tokens=None):
     ptdtype = getattr(torch, dtype)
     model.to(device=device, dtype=ptdtype).eval()
     itemsize = torch.empty((), dtype=ptdtype).element_size()
-    recurrent = isinstance(model, GRT)
-    mode = c['kv_mode'] if recurrent else 'per_step'  # a dense model has only per_step
+    mode = c['kv_mode'] if c['kv_mode'] in model.kv_modes else 'per_step'  # dense and MoR: only per_step
     run = dict(c, kv_mode=mode)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(model.config.vocab_size, (c['batch_size'], c['prompt_len']), generator=gen).to(device)
@@ -231,8 +230,7 @@ def bench_model(model, c, device, dtype, val_tokens=None):
     m['prefill_ms'], m['decode_ms_per_token'] = timed_after_warmup(model, idx, run, device)
     m['peak_mem_bytes'] = peak_decode_memory(model, idx, run, device)
     if val_tokens is not None:  # before compiling: the losses run eager
-        modes = KV_MODES if recurrent else ('per_step',)
-        m['val_loss'] = {k: cached_val_loss(model, val_tokens, c['prompt_len'], k) for k in modes}
+        m['val_loss'] = {k: cached_val_loss(model, val_tokens, c['prompt_len'], k) for k in model.kv_modes}
     m['decode_ms_per_token_compiled'] = None
     if c['compile']:
         torch._dynamo.reset()  # each model compiles from scratch, within the recompile limit

@@ -275,6 +275,8 @@ class Block(nn.Module):
 class LanguageModel(nn.Module):
     """Token and position embeddings -> body (defined by the subclass) -> ln_f -> tied LM head."""
 
+    kv_modes = ('per_step',)  # the KV-cache modes generate() accepts (GRT adds its approximate ones)
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -467,6 +469,7 @@ class GPT(LanguageModel):
 
 
 class GRT(LanguageModel):
+    kv_modes = KV_MODES
 
     def __init__(self, config):
         super().__init__(config)
