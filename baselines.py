@@ -231,11 +231,6 @@ class MoR(GRT):
                 + [RoutedKVCache(max_len) for _ in range(c.n_core * r)]
                 + [KVCache(max_len) for _ in range(c.n_coda)])
 
-    def compile_regions(self, **compile_kwargs):
-        """Each block compiled once (routing and gathering stay in Python); the routed token count
-        varies, so the core's sequence length becomes a dynamic dimension after its first change."""
-        model.LanguageModel.compile_regions(self, **compile_kwargs)
-
     def resolve_steps(self, num_steps):
         r = self.config.n_recur if num_steps is None else super().resolve_steps(num_steps)
         if r > self.config.n_recur:

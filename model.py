@@ -334,7 +334,9 @@ class LanguageModel(nn.Module):
 
     def compile_regions(self, **compile_kwargs):
         """torch.compile each block once instead of the whole model: the Python depth loop stays
-        outside compiled code, so a new r (or a new layout) never triggers a recompile."""
+        outside compiled code, so a new r (or a new layout) never triggers a recompile. (Compiling
+        one whole GRT recurrence step also works, but a 20-30 block core makes one huge graph that
+        takes many minutes to compile; per block, every model compiles in seconds.)"""
         for block in self.modules():
             if isinstance(block, Block):
                 block.compile(**compile_kwargs)
@@ -590,13 +592,6 @@ class GRT(LanguageModel):
         core = [per_step[j][s] for s in range(r) for j in range(c.n_core)]
         return ([KVCache(max_len) for _ in range(c.n_prelude)] + core +
                 [KVCache(max_len) for _ in range(c.n_coda)])
-
-    def compile_regions(self, **compile_kwargs):
-        """Prelude and coda blocks compiled once each, and one recurrence step compiled once:
-        the r-loop stays in Python, so every r reuses the same compiled step."""
-        for block in list(self.transformer.prelude) + list(self.transformer.coda):
-            block.compile(**compile_kwargs)
-        self.recurrence_step = torch.compile(self.recurrence_step, **compile_kwargs)
 
     def flops_per_token(self, seq_len, num_steps=None):
         """Forward FLOPs per token, LM head excluded: every block pass costs 24 d^2 + 4 S d, and each

@@ -71,7 +71,7 @@ TRAIN_DEFAULTS = dict(
     # system
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
-    compile=True,  # torch.compile by regions: blocks and one recurrence step, never the whole model
+    compile=True,  # torch.compile by regions: every block once, never the whole model
     seed=1337,
     peak_flops=0.0,  # per-device peak for MFU; 0 = measured (CPU) or the datasheet figure (CUDA)
 )
