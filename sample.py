@@ -17,7 +17,7 @@ import torch
 
 import prepare_data
 from config import ConfigError, parse_config
-from model import GPT, GRT, KV_MODES, from_checkpoint
+from model import GPT, GRT, from_checkpoint
 from train import pick_device, pick_dtype
 
 DEFAULTS = dict(
@@ -87,10 +87,11 @@ def read_prompt(start):
 
 def check_generation_args(model, c):
     """The sampling settings this model accepts, each refused with a one-line fix."""
-    if c['kv_mode'] not in KV_MODES:
-        fail(f"kv_mode must be one of {', '.join(KV_MODES)}, got {c['kv_mode']!r}")
-    if not isinstance(model, GRT) and (c['num_steps'] is not None or c['kv_mode'] != 'per_step'):
-        fail("num_steps and kv_mode apply to a recurrent (GRT) model; this checkpoint is dense, leave them unset")
+    if c['kv_mode'] not in model.kv_modes:
+        fail(f"kv_mode {c['kv_mode']!r} is not available for this {type(model).__name__}; "
+             f"choose one of {', '.join(model.kv_modes)}")
+    if not isinstance(model, GRT) and c['num_steps'] is not None:
+        fail("num_steps applies to a recurrent (GRT) model; this checkpoint is dense, leave it unset")
     if c['num_steps'] is not None and (not isinstance(c['num_steps'], int) or c['num_steps'] < 1):
         fail(f"num_steps must be an integer >= 1 (the model was trained with R = {model.config.n_recur}), "
              f"got {c['num_steps']!r}")

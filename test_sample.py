@@ -167,7 +167,7 @@ def test_clear_errors(grt_dir, tmp_path, capsys):
         run_sample(capsys, f'--out_dir={grt_dir}', '--start=to be # not')
     with pytest.raises(SystemExit, match='error: num_steps must be an integer >= 1'):
         run_sample(capsys, f'--out_dir={grt_dir}', '--num_steps=0')
-    with pytest.raises(SystemExit, match='error: kv_mode must be one of'):
+    with pytest.raises(SystemExit, match="error: kv_mode 'last' is not available for this GRT; choose one of per_step, shared, mean"):
         run_sample(capsys, f'--out_dir={grt_dir}', '--kv_mode=last')
     with pytest.raises(SystemExit, match='error: unknown config key'):
         run_sample(capsys, f'--out_dir={grt_dir}', '--temprature=0.5')
