@@ -6,12 +6,9 @@
 #   GRT 1+1x5+1:    (2 + r) * (24 d^2 + 4 S d) + 10 r d^2 at the mean training depth r = (R + 1) / 2 = 3
 #                                                                      = 2,785,280 (+1.2%)
 # (d = 128, S = 128, LM head excluded as in model.py's flops_per_token; training = 3x forward.)
-# MEASURED (2026-11-30, AMD EPYC 2 vCPUs with AVX-512 BF16, torch 2.13 CPU, bf16 autocast, no compile), on a
-# machine shared with other jobs (load average ~6 on 2 cores: several times slower than a quiet machine): not
-# run to the end; at iteration 250 val loss 2.331 after 938 s of training (16.4 min for 253 iterations in all).
-# The twin at iteration 250: GRT 2.369 after 698 s. The full 1500-iteration
-# figures are still to be measured: max_iters was sized by FLOPs, about 34 GFLOP an iteration at the
-# ~100 GFLOP/s nanoGPT's CPU run reaches here, so an estimated 6-9 minutes plus evaluations on a quiet machine.
+# MEASURED (2026-11-30, AMD EPYC, 2 vCPUs with AVX-512 BF16, torch 2.13.0 CPU, bf16 autocast, no compile,
+# machine otherwise idle): val loss 1.7133 at iteration 1500 (1.7402 at 1250), 479 s of training,
+# 8 min 6 s for the whole command (data ready, evaluations included). The GRT twin: 1.8168 in 8 min 52 s.
 out_dir = 'out-shakespeare-char-gpt'
 dataset = 'shakespeare_char'
 
