@@ -228,7 +228,12 @@ class CausalSelfAttention(nn.Module):
             past = cache.length
             k, v = cache.update(k, v)
         dropout_p = self.dropout if self.training else 0.0
-        if past == 0:  # no earlier tokens: plain causal attention
+        if past == 0 and self.training and x.device.type == 'cpu' and torch.compiler.is_compiling():
+            # compiled CPU training: torch's fused attention backward is slow at small head sizes
+            # (37% of a step at head size 32), while the written-out form compiles into fused kernels
+            # (README, Training: Speed); eager keeps the fused kernel, which is faster uncompiled
+            y = explicit_causal_attention(q, k, v, dropout_p)
+        elif past == 0:  # no earlier tokens: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         elif T == 1:  # one new token sees every cached token and itself
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
@@ -237,6 +242,15 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def explicit_causal_attention(q, k, v, dropout_p):
+    """softmax(q k^T / sqrt(head_size), causal) v, as F.scaled_dot_product_attention computes it."""
+    T = q.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    att = F.dropout(F.softmax(att.masked_fill(~causal, float('-inf')), dim=-1), p=dropout_p)
+    return att @ v
 
 
 class MLP(nn.Module):

@@ -373,3 +373,11 @@ def test_gpt_matches_hugging_face_gpt2():
     idx = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(logits_all(ours, idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_explicit_attention_equals_sdpa():
+    """The written-out attention compiled CPU training uses computes what SDPA computes."""
+    from model import explicit_causal_attention
+    q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
+    torch.testing.assert_close(explicit_causal_attention(q, k, v, 0.0),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6, rtol=1e-5)
