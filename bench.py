@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 import prepare_data
 from config import ConfigError, parse_config
 from model import KV_MODES, MODELS, preset
-from sample import autocast_context, load_model
-from train import peak_flops_for, pick_device, pick_dtype
+from sample import load_model
+from train import autocast_context, peak_flops_for, pick_device, pick_dtype
 
 DEFAULTS = dict(
     scale='small',  # tiny | small | medium | large (the paper's three, and one for tests)

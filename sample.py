@@ -11,14 +11,13 @@ carries its tokenizer (meta.json's char vocabulary or the GPT-2 BPE), so no data
 
 import os
 import sys
-from contextlib import nullcontext
 
 import torch
 
 import prepare_data
 from config import ConfigError, parse_config
 from model import GPT, GRT, from_checkpoint
-from train import pick_device, pick_dtype
+from train import autocast_context, pick_device, pick_dtype
 
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (out_dir/ckpt.pt, written by train.py) or 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
@@ -66,13 +65,6 @@ def load_model(init_from, out_dir, device):
         fail(f"init_from must be 'resume' or one of {', '.join(GPT2_NAMES)}, got {init_from!r}")
     model.eval()
     return model.to(device), meta
-
-
-def autocast_context(device_type, dtype):
-    """Mixed precision as train.py runs it: autocast to bf16/fp16, nothing for fp32."""
-    if dtype == 'float32':
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
 def read_prompt(start):

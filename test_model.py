@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GRT, MODELS, PRESETS, GPTConfig, GRTConfig, build_model, preset
+from model import GPT, MODELS, PRESETS, GPTConfig, GRTConfig, build_model, preset
 
 VOCAB = 256
 

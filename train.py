@@ -125,6 +125,13 @@ def pick_dtype(name, device_type):
     return name
 
 
+def autocast_context(device_type, dtype):
+    """Mixed precision: autocast to bf16/fp16, nothing for fp32 (train.py, sample.py and bench.py)."""
+    if dtype == 'float32':
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
 def rng_key(*parts):
     """A 63-bit seed from any tuple of values, e.g. (seed, 'data', rank, iteration, micro_step)."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), 'little') >> 1
@@ -391,7 +398,7 @@ def main(argv=None):
     accum = c['gradient_accumulation_steps'] // world  # this rank's micro-steps per optimizer step
     dtype = pick_dtype(c['dtype'], device_type)
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
+    autocast = autocast_context(device_type, dtype)
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
