@@ -1,16 +1,20 @@
 """
-The paper's recurrent baselines, built on GRT so they share its prelude, coda, depth loop and KV cache:
+The paper's comparisons, each a RecurrentLM (model.py) so they share GRT's prelude, coda, depth loop
+and KV-cache layout, and differ only in their recurrence step:
 
-- Huginn (Geiping et al., 2025), heavy-tail depth sampling: the step is h = Core(adapter [h ; e])
-  (GRT's ablation rung 4 without state noise), from a random initial state in training and zeros
-  in eval; each training micro-step draws its depth from a log-normal Poisson distribution and
-  backpropagates through only the last k steps.
+- The ablation ladder (model types rung1..rung4), each rung adding one part of GRT (rung 5 is GRT):
+      rung 1, recurrence alone:        h = Core(h),  h0 = wte(x) + wpe  (no prelude, no coda)
+      rung 2, + prelude/coda split:    h = Core(h),  h0 = e = Prelude(...)
+      rung 3, + state noise:           h = Core(h + eps_x)
+      rung 4, + prelude re-injection:  h = Core(W_proj [h + eps_x ; e])
+- Huginn (Geiping et al., 2025), heavy-tail depth sampling: h = Core(adapter [h ; e]) from a random
+  initial state (in eval too, seeded), the coda reading ln_f(h); each training micro-step draws its
+  depth from an unbounded log-normal Poisson distribution and backpropagates through only the last k steps.
 - MoR, Mixture-of-Recursions (Bae et al., 2025), middle-cycle sharing: unique first and last layers
-  (GRT's prelude and coda) around a shared middle recursed N_r times; at each recursion a router
-  keeps only some tokens and updates them by h + g (Core(h) - h).
+  (the prelude and coda) around a shared middle recursed N_r times; every token takes the first
+  recursion, then a router keeps fewer and fewer, each kept token becoming h + alpha sigmoid(w . h) Core(h).
 
-model.py imports this file at its end and this file registers both in model.MODELS, so either
-import order works. They live apart from model.py because they are comparisons, not the method.
+They live apart from model.py because they are comparisons, not the method; registry.py names them.
 """
 
 import math
@@ -20,42 +24,141 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model
-from model import GRT, GRTConfig, KVCache
+from kv_cache import KVCache
+from model import RecurrentConfig, RecurrentLM
 
 # -----------------------------------------------------------------------------
-# Huginn: heavy-tail depth sampling with truncated backpropagation
+# The ablation ladder
 
 
 @dataclass
-class HuginnConfig(GRTConfig):
+class Rung1Config(RecurrentConfig):
+    n_prelude: int = 0  # recurrence alone: every layer is in the shared core
+    n_coda: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_prelude or self.n_coda:
+            raise ValueError("rung1 is recurrence alone: set n_prelude=0 and n_coda=0 (every layer in the shared core)")
+
+
+@dataclass
+class NoisyRecurrentConfig(RecurrentConfig):
+    state_noise: float = 0.1  # std of eps_x, as GRT's
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.state_noise < 0:
+            raise ValueError(f"state_noise is a standard deviation, >= 0; got {self.state_noise}")
+
+
+class PlainRecurrence(RecurrentLM):
+    """Rungs 1 and 2: h = Core(h). Rung 1 is rung 2 with n_prelude = n_coda = 0, so e = h0 is the
+    embedding itself."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._finish_init()
+
+    def recurrence_step(self, h, e, caches):
+        return self.run_core(h, caches)
+
+
+class NoisyRecurrence(RecurrentLM):
+    """Rung 3: h = Core(h + eps_x), eps_x ~ N(0, state_noise^2) fresh every step in training."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._finish_init()
+
+    def recurrence_step(self, h, e, caches):
+        eps_x = torch.randn_like(h) * self.config.state_noise if self.training else 0.0
+        return self.run_core(h + eps_x, caches)
+
+
+class ReinjectedRecurrence(RecurrentLM):
+    """Rung 4: h = Core(W_proj [h + eps_x ; e]), GRT without its gate."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.proj = nn.Linear(2 * config.n_embd, config.n_embd, bias=config.bias)
+        self._finish_init()
+
+    def recurrence_step(self, h, e, caches):
+        eps_x = torch.randn_like(h) * self.config.state_noise if self.training else 0.0
+        return self.run_core(self.proj(torch.cat([h + eps_x, e], dim=-1)), caches)
+
+    def step_flops(self):
+        return 4 * self.config.n_embd ** 2  # W_proj: 2 * 2d^2
+
+
+# -----------------------------------------------------------------------------
+# Huginn: heavy-tail depth sampling with truncated backpropagation
+# Reference: seal-rg/recurrent-pretraining, recpre/model_dynamic.py, RecurrentGPT (initialize_state,
+# iterate_forward, core_block_forward, randomized_iteration_sampler's 'poisson-lognormal-filling',
+# the scheme of recpre/raven_config_minimal.py). Followed here, written anew for this code base.
+
+
+HUGINN_EVAL_STATE_SEED = 0  # seeds the eval initial states (one per position), so eval is deterministic
+
+
+@dataclass
+class HuginnConfig(RecurrentConfig):
     # n_recur is Huginn's mean depth r_mean: the eval depth, and the mean of the training draws' tau
-    rung: int = 4  # Huginn's step is GRT's rung 4: h = Core(adapter [h ; e]), no gate
-    state_noise: float = 0.0  # Huginn perturbs the initial state, not every step
     backprop_depth: int = 8  # k: only the last k steps of a training pass carry gradients
     depth_sigma: float = 0.5  # sigma of the log-normal in the depth distribution
     state_init_std: float = 0.02  # initial state ~ TruncNormal(0, std^2) on [-3 std, 3 std], our init scale
 
     def __post_init__(self):
         super().__post_init__()
-        if self.rung != 4:
-            raise ValueError(f"huginn's step is rung 4 (concatenation adapter, no gate); leave rung out, "
-                             f"got {self.rung}")
         if self.backprop_depth < 1 or self.depth_sigma <= 0 or self.state_init_std < 0:
             raise ValueError(f"huginn needs backprop_depth >= 1, depth_sigma > 0, state_init_std >= 0; got "
                              f"{self.backprop_depth}, {self.depth_sigma}, {self.state_init_std}")
 
 
-class Huginn(GRT):
-    """GRT at rung 4 (self.proj is Huginn's concatenation adapter Linear(2d -> d)) with Huginn's
-    initial state, depth distribution and truncated backpropagation."""
+class Huginn(RecurrentLM):
+    """h = Core(adapter [h ; e]), the adapter a Linear(2d -> d), from a random initial state, with
+    Huginn's depth distribution and truncated backpropagation; the coda reads ln_f(h)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.proj = nn.Linear(2 * config.n_embd, config.n_embd, bias=config.bias)  # the adapter
+        self._finish_init()
+        # The eval initial state of the token at position p is row p of this table: random like the
+        # training draws, but fixed by a seed, so eval is deterministic and a token's h0 does not depend
+        # on how many tokens a forward pass holds (prefill or one-by-one decoding give the same h0).
+        # The reference draws a fresh h0 at every call, in eval too; it is not a weight (not saved).
+        std = config.state_init_std
+        table = torch.empty(config.block_size, config.n_embd, device='cpu')
+        nn.init.trunc_normal_(table, std=std, a=-3 * std, b=3 * std,
+                              generator=torch.Generator().manual_seed(HUGINN_EVAL_STATE_SEED))
+        self.register_buffer('eval_state', table, persistent=False)
+        self._start = 0  # position of the current forward pass's first token (body sets it)
+
+    def recurrence_step(self, h, e, caches):
+        # core_block_forward with injection_type='linear': x = adapter(cat[x, e]), then the core blocks
+        return self.run_core(self.proj(torch.cat([h, e], dim=-1)), caches)
+
+    def step_flops(self):
+        return 4 * self.config.n_embd ** 2  # the adapter: 2 * 2d^2
+
+    def body(self, x, num_steps=None, kv_cache=None, early_exit=None):
+        self._start = kv_cache[0].length if kv_cache else 0  # earlier tokens in the cache: x starts there
+        return super().body(x, num_steps, kv_cache, early_exit)
 
     def initial_state(self, e):
-        """Random h0 in training (the model learns to forget where it starts), zeros in eval."""
-        if not self.training:
-            return torch.zeros_like(e)
+        """h0 ~ TruncNormal(0, std^2) on [-3 std, 3 std] (initialize_state, 'like-init'): fresh in
+        training; in eval the seeded draw of each token's position (eval_state)."""
         std = self.config.state_init_std
-        return nn.init.trunc_normal_(torch.empty_like(e), std=std, a=-3 * std, b=3 * std)
+        if self.training:
+            return nn.init.trunc_normal_(torch.empty_like(e), std=std, a=-3 * std, b=3 * std)
+        B, T, d = e.shape
+        return self.eval_state[self._start: self._start + T].to(e.dtype).expand(B, T, d)
+
+    def before_coda(self, h):
+        """ln_f(h): iterate_forward returns transformer.ln_f(x), and the same ln_f is applied again
+        after the coda ("used twice", recpre/raven_modeling_minimal.py)."""
+        return self.transformer.ln_f(h)
 
     def recur(self, h, e, r, caches):
         """In training only the last backprop_depth steps carry gradients; the earlier ones run
@@ -66,13 +169,17 @@ class Huginn(GRT):
             h = super().recur(h, e, free, caches[:free * n])
         return super().recur(h, e, r - free, caches[free * n:])
 
-    def draw_depths(self, count, generator=None):
-        """count depths r = min(Poisson(tau) + 1, 3 r_mean), tau ~ LogNormal(log r_mean - sigma^2/2, sigma):
-        tau has mean r_mean and a heavy right tail, so a few passes train very deep."""
+    def draw_depths(self, count, generator=None, cap=None):
+        """count depths r = Poisson(tau) + 1, tau ~ LogNormal(log r_mean - sigma^2/2, sigma), as the
+        reference's 'poisson-lognormal-filling' draws p (its n = max(p - k, 0) no-grad steps and
+        min(k, p) with grad): tau has mean r_mean and a heavy right tail, so a few passes train very
+        deep, with no upper bound. cap (None: none, as the reference) clips r, for measuring what a
+        cap would change."""
         c = self.config
         mu = math.log(c.n_recur) - c.depth_sigma ** 2 / 2
         tau = torch.empty(count, device='cpu').log_normal_(mu, c.depth_sigma, generator=generator)  # CPU generator
-        return (torch.poisson(tau, generator=generator) + 1).clamp(max=3 * c.n_recur).long()
+        r = torch.poisson(tau, generator=generator) + 1
+        return (r if cap is None else r.clamp(max=cap)).long()
 
     def sample_depth(self, generator):
         return int(self.draw_depths(1, generator).item())
@@ -87,7 +194,7 @@ class Huginn(GRT):
         return self.draw_depths(65536, torch.Generator().manual_seed(0)).float().mean().item()
 
     def train_flops_per_token(self, seq_len, num_steps):
-        """Training FLOPs per token at depth r: forward (the rung-4 count of GRT.flops_per_token)
+        """Training FLOPs per token at depth r: forward (flops_per_token, the adapter included)
         plus backward (2x forward) for everything except the r - k no-grad steps, which run forward only."""
         c, d = self.config, self.config.n_embd
         step = c.n_core * (24 * d * d + 4 * seq_len * d) + 4 * d * d  # core blocks + adapter
@@ -107,24 +214,33 @@ class Huginn(GRT):
 
 # -----------------------------------------------------------------------------
 # Mixture-of-Recursions: expert-choice routing over a middle-cycle shared core
+# Reference: raymin0223/mixture_of_recursions, model/mor_model/expert_choice_router.py
+# (MoRLlamaDecoderLayer.forward: router weights, top-k, the weighted scatter_add, the capacity warm-up),
+# model/mor_model/modeling_llama.py (MoRLlamaForCausalLM.transform_layer_to_mor_expert: one such layer
+# per recursion, the middle cycle between unique first and last layers; MoRLlamaModel.forward passes
+# each recursion's selected tokens to the next), util/config.py (preprocess_config: the default
+# capacities (N_r - i) / N_r), conf/pretrain/*mor_expert_linear_alpha_0.1_sigmoid* (alpha 0.1,
+# sigmoid, linear router). Followed here, written anew for this code base.
 
 
 @dataclass
-class MoRConfig(GRTConfig):
+class MoRConfig(RecurrentConfig):
     # n_prelude / n_coda are MoR's unique first and last layers, n_core x n_recur its shared middle
-    # recursed N_r = n_recur times; state_noise, gate_* are GRT's and unused here
+    # recursed N_r = n_recur times
     n_recur: int = 3
-    rung: int = 2  # MoR's update is its own routed h + g (Core(h) - h): no W_proj, no gate
     router_hidden: int = 64  # width of each auxiliary (causal) router's hidden layer
+    router_alpha: float = 0.1  # alpha: a chosen token gets h + alpha * sigmoid(w . h) * Core(h)
+    capacity_warmup: int = 0  # iterations over which each capacity falls (cosine) from 1 to its target; 0: none
 
     def __post_init__(self):
         super().__post_init__()
-        if self.rung != 2:
-            raise ValueError(f"mor has its own routed update; leave rung out, got {self.rung}")
         if self.n_prelude < 1 or self.n_coda < 1:
             raise ValueError("mor's middle-cycle sharing keeps unique first and last layers: n_prelude, n_coda >= 1")
         if self.router_hidden < 1:
             raise ValueError(f"router_hidden must be >= 1, got {self.router_hidden}")
+        if self.router_alpha <= 0 or self.capacity_warmup < 0:
+            raise ValueError(f"mor needs router_alpha > 0 and capacity_warmup >= 0; got {self.router_alpha} "
+                             f"and {self.capacity_warmup}")
 
 
 class RoutedKVCache:
@@ -142,16 +258,26 @@ class RoutedKVCache:
         return self.rows[b]
 
 
-class MoR(GRT):
+class MoR(RecurrentLM):
+    """Expert-choice MoR. At recursion s every token still active gets a router weight
+    g = alpha * sigmoid(w_s . h). Recursion s keeps a fraction c_s = (N_r - s) / N_r of the tokens:
+    all of them at the first recursion. In training the top-k active tokens of each row by g go on
+    (k = floor(c_s T); hierarchical: a token dropped once stays dropped). A chosen token becomes
+    h + g * Core(h) (the reference adds the weighted block output, and its block, like ours, returns
+    its input plus the residual branches: h + g (h + Delta)); the others keep h. Chosen tokens pass
+    the shared core in causal order, attending only to each other. With capacity_warmup = W, c_s
+    starts near 1 and falls along a half cosine to its target over W iterations (train.py calls
+    set_iteration).
+    Expert choice sees the whole sequence, so it is not causal: a small auxiliary router per recursion
+    learns to predict the choice from the token alone (BCE on detached states, the reference's
+    sampling='aux_router'), and whenever the model is not training (val loss, generation) a token goes
+    on if it is active and the auxiliary router says yes (at a capacity-1 recursion, every token).
+    Each eval forward records the fraction of tokens each recursion kept in last_keep_fractions;
+    eval_flops_per_token turns them into FLOPs."""
+
     kv_modes = ('per_step',)  # its own recursion-wise cache, exact
-    """At recursion s each token still active gets a router weight g = sigmoid(w_s . h). In training
-    the top-k active tokens of each row by g go on (expert choice, hierarchical: a token dropped
-    once stays dropped; k = ceil(T (N_r - s) / N_r), a linear capacity schedule). Expert choice
-    sees the whole sequence, so it is not causal: a small auxiliary router per recursion learns to
-    predict the choice from the token alone (BCE, on detached states), and whenever the model is
-    not training (val loss, generation) a token goes on if it is active and the auxiliary router
-    says yes. Chosen tokens are gathered in causal order, pass the shared core attending only to
-    each other, and are updated by h + g (Core(h) - h); the others keep h."""
+    exit_unsupported = ("mor's routers already choose each token's depth (its own routing), so early exit does "
+                        "not apply to mor; leave exit_threshold unset (grt, huginn and rung1..rung4 can exit early)")
 
     def __init__(self, config):
         super().__init__(config)
@@ -159,9 +285,30 @@ class MoR(GRT):
         self.routers = nn.ModuleList([nn.Linear(d, 1, bias=False) for _ in range(config.n_recur)])
         self.aux_routers = nn.ModuleList([nn.Sequential(nn.Linear(d, a), nn.SiLU(), nn.Linear(a, 1))
                                           for _ in range(config.n_recur)])
-        self.routers.apply(self._init_weights)
-        self.aux_routers.apply(self._init_weights)
+        self._finish_init()
         self.router_loss = None  # the last training forward's auxiliary BCE, for logging
+        self.iteration = None  # the training iteration, for the capacity warm-up (None: warm-up over)
+        self.last_keep_fractions = []  # per recursion, the fraction of the last eval forward's tokens kept
+
+    def set_iteration(self, iteration):
+        """train.py calls this before every iteration: the capacity warm-up is a function of it."""
+        self.iteration = iteration
+
+    def capacity(self, step):
+        """The fraction of tokens recursion `step` keeps: (N_r - step) / N_r, during the warm-up raised
+        to c + (1 - c) * (1 + cos(pi * min(1, (iteration + 1) / W))) / 2 (the reference counts its
+        training forwards from 1)."""
+        c = self.config
+        target = (c.n_recur - step) / c.n_recur
+        if not self.training or c.capacity_warmup == 0 or self.iteration is None:
+            return target
+        ratio = min(1.0, (self.iteration + 1) / c.capacity_warmup)
+        return target + (1 - target) * 0.5 * (1 + math.cos(math.pi * ratio))
+
+    def kept_tokens(self, step, seq_len):
+        """k = max(1, floor(capacity * T)), as the reference's max(1, int(capacity_factor * seq_len));
+        the 1e-9 makes an exact fraction such as 2/3 of 30 give 20 whatever its rounding."""
+        return max(1, math.floor(self.capacity(step) * seq_len + 1e-9))
 
     def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
         self.router_loss = None
@@ -175,8 +322,10 @@ class MoR(GRT):
     def recur(self, h, e, r, caches):
         n = self.config.n_core
         active = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+        if not self.training:
+            self.last_keep_fractions = []
         for step in range(r):
-            weight = torch.sigmoid(self.routers[step](h)).squeeze(-1)  # (B, T) router weight g
+            weight = self.config.router_alpha * torch.sigmoid(self.routers[step](h)).squeeze(-1)  # (B, T) g
             aux_logit = self.aux_routers[step](h.detach()).squeeze(-1)
             step_caches = caches[step * n: (step + 1) * n]
             if self.training:  # expert choice: the same k in every row, so one batched gather
@@ -186,17 +335,17 @@ class MoR(GRT):
                 self.router_loss = bce if self.router_loss is None else self.router_loss + bce
                 h = self.update_chosen(h, weight, idx, step_caches)
             else:  # the auxiliary router: causal, each token decides from itself; rows keep different counts
-                chosen = active & (aux_logit > 0)
+                chosen = active if self.capacity(step) >= 1 else active & (aux_logit > 0)
                 h = self.update_rows(h, weight, chosen, step_caches)
+                self.last_keep_fractions.append(chosen.float().mean().item())
             active = chosen
         return h
 
     def expert_choice(self, weight, active, step):
         """(B, k) positions of the top-k active tokens of each row by router weight, ascending
         (training only: it ranks each token against later ones)."""
-        c = self.config
-        k = math.ceil(weight.size(1) * (c.n_recur - step) / c.n_recur)
-        scores = weight.detach().masked_fill(~active, -1.0)  # weights are in (0, 1): inactive lose
+        k = self.kept_tokens(step, weight.size(1))
+        scores = weight.detach().masked_fill(~active, -1.0)  # weights are in (0, alpha): inactive lose
         return scores.topk(k, dim=1).indices.sort(dim=1).values
 
     def update_rows(self, h, weight, chosen, caches):
@@ -209,15 +358,15 @@ class MoR(GRT):
         return torch.cat(rows)
 
     def update_chosen(self, h, weight, idx, caches):
-        """h + g (Core(h) - h) at positions idx (B, k), ascending, so the gathered tokens keep
-        causal order and plain causal attention among them is right; h elsewhere."""
+        """h + g * Core(h) at positions idx (B, k), ascending, so the gathered tokens keep causal
+        order and plain causal attention among them is right; h elsewhere (the reference's
+        scatter_add of the weighted block output into the full sequence)."""
         if idx.size(1) == 0:
             return h
         at = idx.unsqueeze(-1).expand(-1, -1, h.size(-1))
         x = h.gather(1, at)
         g = weight.gather(1, idx).unsqueeze(-1)
-        x = x + g * (self.run_core(x, caches) - x)
-        return h.scatter(1, at, x)
+        return h.scatter(1, at, x + g * self.run_core(x, caches))
 
     def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
         """Prelude and coda layers cache every token; each core layer at each recursion caches only
@@ -246,19 +395,22 @@ class MoR(GRT):
         return self.config.n_recur
 
     def flops_per_token(self, seq_len, num_steps=None):
-        """Forward FLOPs per token, LM head excluded, averaged over tokens: prelude and coda blocks
-        for every token; at recursion s a fraction f_s = (N_r - s) / N_r of the tokens (the capacity
-        schedule) passes n_core blocks whose attention spans f_s * S keys; every token is scored by
-        both routers at every recursion (2d + 2da + 2a, the aux router's hidden width a; as for the
-        blocks, bias additions are not counted).
-        At inference the auxiliary router's choices may keep more or fewer tokens than f_s."""
+        """Forward FLOPs per token in training (expert choice at the target capacities), LM head
+        excluded, averaged over tokens; see eval_flops_per_token."""
+        r = self.config.n_recur if num_steps is None else round(num_steps)  # train.py passes a mean (float) depth
+        fractions = [self.kept_tokens(s, seq_len) / seq_len for s in range(r)]
+        return self.eval_flops_per_token(seq_len, fractions)
+
+    def eval_flops_per_token(self, seq_len, keep_fractions=None):
+        """Forward FLOPs per token, LM head excluded, when recursion s keeps a fraction f_s of the
+        tokens (default: the last eval forward's last_keep_fractions): prelude and coda blocks for
+        every token; f_s of the tokens pass n_core blocks whose attention spans f_s * S keys; every
+        token is scored by both routers at every recursion (2d + 2da + 2a, the aux router's hidden
+        width a; as for the blocks, bias additions are not counted). Exact when every row keeps
+        the same count (training); with rows that differ (eval) the attention term uses the mean f_s."""
         c, d, a = self.config, self.config.n_embd, self.config.router_hidden
-        r = c.n_recur if num_steps is None else round(num_steps)  # train.py passes a mean (float) depth
+        fractions = self.last_keep_fractions if keep_fractions is None else keep_fractions
         flops = (c.n_prelude + c.n_coda) * (24 * d * d + 4 * seq_len * d)
-        for s in range(r):
-            f = (c.n_recur - s) / c.n_recur
+        for f in fractions:
             flops += f * c.n_core * (24 * d * d + 4 * f * seq_len * d) + 2 * d + 2 * d * a + 2 * a
         return flops
-
-
-model.MODELS.update(huginn=(HuginnConfig, Huginn), mor=(MoRConfig, MoR))

@@ -12,16 +12,23 @@ update (the paper's Eq. 2-5, all in GRT.recurrence_step), then a coda of unique 
                      h = g * h + (1 - g) * o                             (Eq. 4)
     logits = lm_head(ln_f(Coda(h)))
 
+Read top to bottom: the configs, the Block every model is made of, LanguageModel (embeddings, tied
+head, loss, generation), GPT, RecurrentLM (prelude -> core loop -> coda, shared with the baselines
+in baselines.py), and GRT, which adds only its parameters and Eq. 2-5. The KV caches are in
+kv_cache.py; registry.py names every model type for the scripts.
+
 References: nanoGPT (Karpathy) for the GPT-2 side; the GRT paper for the recurrence.
 """
 
 import inspect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kv_cache import KV_MODES, CoreLayerCache, ExitFillCache, KVCache, PeekCache
 
 # -----------------------------------------------------------------------------
 # Configurations
@@ -49,20 +56,13 @@ class GPTConfig:
 
 
 @dataclass
-class GRTConfig(GPTConfig):
+class RecurrentConfig(GPTConfig):
+    """A recurrent-depth layout, written n_prelude + n_core x n_recur + n_coda."""
     n_layer: int = None  # derived: n_prelude + n_core + n_coda unique blocks
     n_prelude: int = 1
     n_core: int = 1
     n_coda: int = 1
     n_recur: int = 10  # R: recurrence steps at eval; training samples r ~ Uniform{1..R}
-    state_noise: float = 0.1  # std of eps_x, Eq. 2
-    gate_noise: float = 0.1  # std of eps_g, Eq. 5
-    gate_bias: float = 4.0  # initial bias of f_g's last Linear: g ~ sigmoid(4) = 0.98 keeps h at first
-    gate_tau: float = 1.0  # temperature tau of Eq. 5
-    # The paper's ablation ladder; each rung adds one part of GRT (see GRT.recurrence_step):
-    # 1 recurrence alone (no prelude/coda), 2 + prelude/coda split, 3 + state noise,
-    # 4 + prelude re-injection W_proj, 5 + gate = full GRT (Eq. 2-5)
-    rung: int = 5
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,12 +72,6 @@ class GRTConfig(GPTConfig):
             raise ValueError(f"n_prelude and n_coda must be >= 0, got {self.n_prelude} and {self.n_coda}")
         if self.n_recur < 1:
             raise ValueError(f"n_recur (R) must be >= 1, got {self.n_recur}")
-        if self.gate_tau <= 0:
-            raise ValueError(f"gate_tau must be > 0, got {self.gate_tau}")
-        if self.rung not in (1, 2, 3, 4, 5):
-            raise ValueError(f"rung must be 1..5 (5 = full GRT; lower rungs are the ablation ladder), got {self.rung}")
-        if self.rung == 1 and (self.n_prelude or self.n_coda):
-            raise ValueError("rung 1 is recurrence alone: set n_prelude=0 and n_coda=0 (every layer in the shared core)")
         unique = self.n_prelude + self.n_core + self.n_coda
         if self.n_layer is not None and self.n_layer != unique:
             raise ValueError(f"n_layer={self.n_layer} conflicts with n_prelude + n_core + n_coda = {unique}; "
@@ -85,129 +79,24 @@ class GRTConfig(GPTConfig):
         self.n_layer = unique
 
 
-def config_fields(config_class):
-    """The names a config class accepts (used by the scripts to validate model arguments)."""
-    return [f.name for f in fields(config_class)]
+@dataclass
+class GRTConfig(RecurrentConfig):
+    state_noise: float = 0.1  # std of eps_x, Eq. 2
+    gate_noise: float = 0.1  # std of eps_g, Eq. 5
+    gate_bias: float = 4.0  # initial bias of f_g's last Linear: g ~ sigmoid(4) = 0.98 keeps h at first
+    gate_tau: float = 1.0  # temperature tau of Eq. 5
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gate_tau <= 0:
+            raise ValueError(f"gate_tau must be > 0, got {self.gate_tau}")
+        if self.state_noise < 0 or self.gate_noise < 0:
+            raise ValueError(f"state_noise and gate_noise are standard deviations, >= 0; got "
+                             f"{self.state_noise} and {self.gate_noise}")
 
 
 # -----------------------------------------------------------------------------
 # The shared building blocks
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, for one attention layer at one depth.
-
-    The buffer is allocated once for max_len tokens on first use, so decoding never reallocates
-    (and peak memory is the cache plus activations, not a growing chain of concatenations).
-    """
-
-    def __init__(self, max_len):
-        self.max_len = max_len
-        self.k = self.v = None
-        self.length = 0
-
-    def update(self, k, v):
-        """Append k, v of shape (B, n_head, T, head_size); return all keys and values so far."""
-        if self.k is None:
-            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self.k = k.new_empty(shape)
-            self.v = v.new_empty(shape)
-        start, end = self.length, self.length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; cannot append up to {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-# How a GRT caches the keys and values of its shared core across the R recurrence steps
-# (prelude and coda layers always keep one exact KVCache each, and a GPT only has per_step):
-KV_MODES = ('per_step', 'shared', 'mean')
-
-
-class CoreLayerCache:
-    """One core layer's keys and values for all R steps in one buffer: kv_mode 'shared' or 'mean'.
-
-    For a chunk of T new tokens (T = 1 when decoding, T = the prompt when prefilling), at step
-    s = 1..R the chunk's queries attend to
-      - every earlier token's stored k, v: its step-R k, v ('shared') or its mean over the R
-        steps ('mean'), and
-      - the chunk's own step-s k, v, causally (so a chunk is computed exactly within itself:
-        prefilling a prompt into an empty cache equals the uncached forward).
-    After the chunk's last step its stored entries become its step-R k, v ('shared') or its
-    k, v averaged over steps 1..R ('mean'). Memory: one step's cache instead of R steps'.
-
-    The chunk's step-s k, v are written into the slots after the stored tokens, so attention is
-    one slice of one buffer (no concatenation); the next step overwrites them. In 'mean' mode the
-    slots still hold step R when the chunk's forward ends (its own attention at step R needs them),
-    so the mean is written in at the start of the next chunk, before anything reads it.
-    """
-
-    def __init__(self, max_len, num_steps, mode):
-        assert mode in ('shared', 'mean')
-        self.max_len, self.num_steps, self.mode = max_len, num_steps, mode
-        self.k = self.v = None
-        self.length = 0  # tokens whose stored k, v are final (including a pending mean)
-        self.pending = None  # mean mode: (start, end, mean_k, mean_v) of the last chunk, to write in
-
-    def steps(self):
-        """The R per-step handles GRT.body indexes, all backed by this one buffer."""
-        return [CoreStepCache(self, s) for s in range(self.num_steps)]
-
-    def update(self, k, v, step):
-        if self.k is None:
-            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
-        if self.pending is not None and step == 0:  # the previous chunk's means replace its step-R k, v
-            start, end, mean_k, mean_v = self.pending
-            self.k[:, :, start:end] = mean_k
-            self.v[:, :, start:end] = mean_v
-            self.pending = None
-        start, end = self.length, self.length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; cannot append up to {end}")
-        self.k[:, :, start:end] = k  # this step's k, v for the chunk's own attention
-        self.v[:, :, start:end] = v
-        if self.mode == 'mean':
-            # running mean m_s = m_{s-1} + (k_s - m_{s-1}) / s, in the cache's dtype: it stays at the
-            # keys' scale (bf16 does not drift as a sum would), and a prompt's accumulators cost
-            # n_core x prompt x 2d elements, not twice that in fp32
-            if step == 0:
-                self.mean_k, self.mean_v = k.clone(), v.clone()
-            else:
-                self.mean_k = self.mean_k + (k - self.mean_k) / (step + 1)
-                self.mean_v = self.mean_v + (v - self.mean_v) / (step + 1)
-        if step == self.num_steps - 1:  # last step: the chunk's entries are now stored
-            self.length = end
-            if self.mode == 'mean':
-                self.pending = (start, end, self.mean_k, self.mean_v)
-                self.mean_k = self.mean_v = None
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-class CoreStepCache:
-    """The handle of one CoreLayerCache at one recurrence step, with KVCache's interface (k, v and
-    length too: torch.compile's guards read them when a compiled step meets another cache kind)."""
-
-    def __init__(self, layer_cache, step):
-        self.layer_cache, self.step = layer_cache, step
-
-    @property
-    def length(self):
-        return self.layer_cache.length
-
-    @property
-    def k(self):
-        return self.layer_cache.k
-
-    @property
-    def v(self):
-        return self.layer_cache.v
-
-    def update(self, k, v):
-        return self.layer_cache.update(k, v, self.step)
-
 
 class CausalSelfAttention(nn.Module):
 
@@ -327,10 +216,11 @@ class LanguageModel(nn.Module):
             n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
+    def forward(self, idx, targets=None, num_steps=None, kv_cache=None, early_exit=None):
         """idx (B, T) -> (logits, loss). Logits at every position when targets are given (loss
         ignores target -1), else at the last position only. kv_cache (from new_kv_cache) holds the
-        earlier tokens: idx are then the tokens after them."""
+        earlier tokens: idx are then the tokens after them. early_exit (an EarlyExit, recurrent
+        models at inference only) lets each token stop its recurrence early."""
         B, T = idx.size()
         start = kv_cache[0].length if kv_cache else 0
         if start + T > self.config.block_size:
@@ -338,7 +228,11 @@ class LanguageModel(nn.Module):
                              f"crop the context to its last {self.config.block_size} tokens")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        x = self.body(x, num_steps, kv_cache)
+        if early_exit is None:  # the fixed-depth path
+            x = self.body(x, num_steps, kv_cache)
+        else:
+            self.check_early_exit(early_exit, num_steps)
+            x = self.body(x, num_steps, kv_cache, early_exit)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
@@ -357,38 +251,48 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None, use_cache=True,
-                 kv_mode='per_step'):
+                 kv_mode='per_step', exit_threshold=None, min_steps=1, exit='state'):
         """Append max_new_tokens sampled tokens to idx (B, T) and return it; temperature 0 is greedy.
         kv_mode (GRT only; see KV_MODES and CoreLayerCache): 'per_step' (exact, the default),
-        'shared' or 'mean'. generate_tokens yields the same tokens one at a time, for streaming."""
+        'shared' or 'mean'. exit_threshold (recurrent models): per-token early exit with criterion
+        exit ('state' or 'kl') after at least min_steps steps, see EarlyExit; None runs every token
+        num_steps deep. generate_tokens yields the same tokens one at a time, for streaming."""
         new_tokens = list(self.generate_tokens(idx, max_new_tokens, temperature, top_k, num_steps,
-                                               use_cache, kv_mode))
+                                               use_cache, kv_mode, exit_threshold, min_steps, exit))
         return torch.cat([idx, *new_tokens], dim=1)
 
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None,
-                        use_cache=True, kv_mode='per_step'):
+                        use_cache=True, kv_mode='per_step', exit_threshold=None, min_steps=1, exit='state'):
         """Yield max_new_tokens sampled tokens after idx (B, T), each of shape (B, 1), as generated.
 
         With the KV cache the prompt is prefilled in one forward pass, then each new token costs one
         position's forward pass. Once the context exceeds block_size it is cropped to its last
         block_size tokens, as nanoGPT does, and the cache is rebuilt from that window: every token's
         learned absolute position shifts by one when the window slides, so no rolling cache could
-        give the same result."""
+        give the same result.
+
+        With exit_threshold set, every token (the prompt's too) stops its recurrence at its own depth
+        (RecurrentLM.recur_with_exit); after each token, self.exit_steps holds the depths the last
+        forward pass ran, (B, T) for its T positions."""
         if not use_cache and kv_mode != 'per_step':
             raise ValueError(f"kv_mode={kv_mode!r} is a KV-cache approximation; it needs use_cache=True")
+        exiting = {}  # forward's early_exit, passed only when set (the fixed-depth call stays as it was)
+        if exit_threshold is not None:
+            exiting = dict(early_exit=EarlyExit(exit_threshold, min_steps, exit))
+            self.check_early_exit(exiting['early_exit'], num_steps, kv_mode)
         block_size = self.config.block_size
         kv_cache = None
         for _ in range(max_new_tokens):
             if not use_cache:
-                logits, _ = self(idx[:, -block_size:], num_steps=num_steps)
+                logits, _ = self(idx[:, -block_size:], num_steps=num_steps, **exiting)
             elif kv_cache is not None and kv_cache[0].length < block_size:
-                logits, _ = self(idx[:, -1:], num_steps=num_steps, kv_cache=kv_cache)
+                logits, _ = self(idx[:, -1:], num_steps=num_steps, kv_cache=kv_cache, **exiting)
             else:  # first step, or the window is full and slides: (re)build the cache
                 context = idx[:, -block_size:]
                 max_len = min(block_size, context.size(1) + max_new_tokens)
                 kv_cache = self.new_kv_cache(max_len, num_steps, kv_mode=kv_mode)
-                logits, _ = self(context, num_steps=num_steps, kv_cache=kv_cache)
+                logits, _ = self(context, num_steps=num_steps, kv_cache=kv_cache, **exiting)
             token = sample_next(logits[:, -1, :], temperature, top_k)
             idx = torch.cat((idx, token), dim=1)
             yield token
@@ -397,6 +301,14 @@ class LanguageModel(nn.Module):
         """The depth of one training micro-step, drawn by the caller's generator (train.py keys it on
         seed, iteration and micro-step, so DDP ranks agree and a resumed run repeats). Dense: None."""
         return None
+
+    # why this model cannot exit early (None where it can: RecurrentLM)
+    exit_unsupported = ("early exit stops a recurrent model's core loop per token; a dense GPT has no loop "
+                        "(use a GRT or a recurrent baseline, or leave exit_threshold unset)")
+
+    def check_early_exit(self, early_exit, num_steps, kv_mode='per_step'):
+        """Raise ValueError with a one-line fix unless this model can exit early with these settings."""
+        raise ValueError(self.exit_unsupported)
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
         """Model FLOPs utilisation: training FLOPs (forward + backward = 3x forward) achieved per
@@ -481,58 +393,73 @@ class GPT(LanguageModel):
 
 
 # -----------------------------------------------------------------------------
-# The Gated Recurrent Transformer
+# Recurrent depth: the loop GRT and the baselines share
 
 
-class GRT(LanguageModel):
+EXIT_CRITERIA = ('state', 'kl')
+
+
+@dataclass
+class EarlyExit:
+    """Per-token early exit at inference (RecurrentLM.recur_with_exit). A token runs the recurrence
+    steps s = 1, 2, ... and stops after the first s >= min_steps whose criterion c_s < threshold
+    (never after num_steps). With h_s the token's state after step s (h_0 the initial state):
+
+      'state': c_s = ||h_s - h_(s-1)|| / ||h_(s-1)||, the relative change of the token's state over
+               its n_embd channels, in fp32 (compared multiplied out, ||h_s - h_(s-1)|| < threshold
+               ||h_(s-1)||, so an all-zero h_0, Huginn's in eval, never exits at s = 1). Cheap: two
+               norms per token and step.
+      'kl':    c_s = KL(p_(s-1) || p_s) = sum_v p_(s-1)(v) [log p_(s-1)(v) - log p_s(v)], where
+               p_s = softmax(lm_head(ln_f(Coda(h_s)))) is the next-token distribution of exiting
+               after step s (p_0: exiting before the first step), in fp32, clamped at 0 against
+               rounding. Huginn's KL exit (Geiping et al., 2025; KLExitEvaluator in
+               seal-rg/recurrent-pretraining's recpre/raven_modeling_minimal.py) compares the same
+               two successive exits in the same order, but starts from a uniform p_0. The probe costs
+               a coda-and-head pass per token for every step from min_steps - 1 to the exit
+               (RecurrentLM.exit_probe_flops), on top of the final coda pass.
+
+    threshold 0 never exits (c_s >= 0), so every token runs num_steps steps, exactly as without
+    early exit; a huge threshold exits every token after exactly min_steps steps."""
+    threshold: float
+    min_steps: int = 1
+    criterion: str = 'state'
+
+    def __post_init__(self):
+        if self.criterion not in EXIT_CRITERIA:
+            raise ValueError(f"exit must be one of {', '.join(EXIT_CRITERIA)}, got {self.criterion!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold >= 0:
+            raise ValueError(f"exit_threshold must be a number >= 0 (0 never exits), got {self.threshold!r}")
+        if isinstance(self.min_steps, bool) or int(self.min_steps) != self.min_steps or self.min_steps < 1:
+            raise ValueError(f"min_steps must be an integer >= 1, got {self.min_steps!r}")
+        self.min_steps = int(self.min_steps)
+
+
+class RecurrentLM(LanguageModel):
+    """Prelude -> r steps of one shared core -> coda. A subclass says what one step does
+    (recurrence_step) and what it costs beyond the core's blocks (step_flops); the depth loop,
+    depth sampling and the per-step KV-cache layout live here. A subclass builds its own
+    parameters after these blocks, then calls _finish_init."""
+
     kv_modes = KV_MODES
 
     def __init__(self, config):
         super().__init__(config)
-        d = config.n_embd
         self.transformer.prelude = nn.ModuleList([Block(config) for _ in range(config.n_prelude)])
         self.transformer.core = nn.ModuleList([Block(config) for _ in range(config.n_core)])
         self.transformer.coda = nn.ModuleList([Block(config) for _ in range(config.n_coda)])
-        # the ablation ladder's lower rungs have no W_proj (rungs 1-3) or no gate (rungs 1-4)
-        self.proj = nn.Linear(2 * d, d, bias=config.bias) if config.rung >= 4 else None  # W_proj of Eq. 2
-        if config.rung == 5:
-            self.ln_h = nn.LayerNorm(d, bias=config.bias)  # the two LayerNorms of Eq. 5
-            self.ln_e = nn.LayerNorm(d, bias=config.bias)
-            # f_g of Eq. 5; its last Linear always has a bias, because Eq. 5's +4 initialisation lives there
-            self.gate = nn.Sequential(nn.Linear(2 * d, d, bias=config.bias), nn.SiLU(), nn.Linear(d, d))
-        # Residual scaling counts the blocks a token passes through at eval depth R, not the
-        # unique ones: every core pass adds to the residual stream again.
-        self._finish_init(residual_depth=config.n_prelude + config.n_core * config.n_recur + config.n_coda)
-        if config.rung == 5:
-            nn.init.constant_(self.gate[-1].bias, config.gate_bias)
+
+    def _finish_init(self, residual_depth=None):
+        """Residual scaling counts the blocks a token passes through at eval depth R, not the unique
+        ones: every core pass adds to the residual stream again."""
+        super()._finish_init(residual_depth or self.num_block_passes(self.config.n_recur))
 
     def recurrence_step(self, h, e, caches):
-        """One step of the gated recurrence, the paper's Eq. 2-5. h: state, e: prelude output."""
-        c = self.config
-        if c.rung < 5:
-            return self.ablated_step(h, e, caches)
-        eps_x = torch.randn_like(h) * c.state_noise if self.training else 0.0  # fresh every step
-        eps_g = torch.randn_like(h) * c.gate_noise if self.training else 0.0
-        u = self.proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2: u = W_proj [h + eps_x ; e]
-        o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
-        g = torch.sigmoid(self.gate(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
-        return g * h + (1 - g) * o  # Eq. 4: g near 1 keeps h
+        """One step: the new state from the state h and the prelude output e (the subclass's method)."""
+        raise NotImplementedError
 
-    def ablated_step(self, h, e, caches):
-        """One step at a lower rung of the ablation ladder (config.rung), each adding one part of GRT:
-            rung 1, recurrence alone:      h = Core(h),  h0 = wte(x) + wpe  (no prelude, no coda)
-            rung 2, + prelude/coda split:  h = Core(h),  h0 = e
-            rung 3, + state noise:         h = Core(h + eps_x)
-            rung 4, + prelude re-injection: h = Core(W_proj [h + eps_x ; e])
-        (rung 5 adds the gate: full GRT.) Rungs 1 and 2 share this code: rung 1 is rung 2 with
-        n_prelude = n_coda = 0, so e = h0 is the embedding itself."""
-        c = self.config
-        u = h
-        if c.rung >= 3 and self.training:
-            u = u + torch.randn_like(h) * c.state_noise
-        if c.rung >= 4:
-            u = self.proj(torch.cat([u, e], dim=-1))
-        return self.run_core(u, caches)
+    def step_flops(self):
+        """Forward FLOPs per token of one step beyond its n_core block passes (e.g. GRT's W_proj and gate)."""
+        return 0
 
     def run_core(self, x, caches):
         """The shared core: n_core blocks, the same weights at every step."""
@@ -540,26 +467,37 @@ class GRT(LanguageModel):
             x = block(x, cache)
         return x
 
-    def body(self, x, num_steps=None, kv_cache=None):
-        """Prelude -> r gated steps of the shared core -> coda. r: num_steps if given, else
-        r ~ Uniform{1..R} in training (every exit is trained) and R in eval."""
+    def body(self, x, num_steps=None, kv_cache=None, early_exit=None):
+        """Prelude -> r steps of the shared core -> coda. r: num_steps if given, else
+        r ~ Uniform{1..R} in training (every exit is trained) and R in eval. early_exit (an
+        EarlyExit): each token stops at its own depth <= r (recur_with_exit)."""
         r = self.resolve_steps(num_steps)
         caches = kv_cache if kv_cache else [None] * self.num_block_passes(r)
         if len(caches) != self.num_block_passes(r):
             raise ValueError(f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
+        if early_exit is not None and early_exit.criterion == 'kl' and x.size(1) > 1:
+            return self.body_token_by_token(x, r, kv_cache, early_exit)
         p, n = self.config.n_prelude, self.config.n_core
         for block, cache in zip(self.transformer.prelude, caches[:p]):
             x = block(x, cache)
         e = x
         h = self.initial_state(e)
-        h = self.recur(h, e, r, caches[p: p + r * n])
+        if early_exit is None:
+            h = self.recur(h, e, r, caches[p: p + r * n])
+        else:
+            h = self.recur_with_exit(h, e, r, caches[p: p + r * n], caches[p + r * n:], early_exit)
+        h = self.before_coda(h)
         for block, cache in zip(self.transformer.coda, caches[p + r * n:]):
             h = block(h, cache)
         return h
 
     def initial_state(self, e):
-        """h0 = e, the prelude output (the Huginn baseline draws a random h0 instead)."""
+        """h0 = e, the prelude output."""
         return e
+
+    def before_coda(self, h):
+        """What the coda reads: the last state itself (Huginn normalises it first)."""
+        return h
 
     def recur(self, h, e, r, caches):
         """r recurrence steps; caches holds n_core per step."""
@@ -567,6 +505,105 @@ class GRT(LanguageModel):
         for step in range(r):
             h = self.recurrence_step(h, e, caches[step * n: (step + 1) * n])
         return h
+
+    # -- per-token early exit at inference (EarlyExit); recur above is the fixed-depth loop
+
+    exit_unsupported = None
+
+    def check_early_exit(self, early_exit, num_steps, kv_mode='per_step'):
+        if self.exit_unsupported:
+            raise ValueError(self.exit_unsupported)
+        if early_exit.criterion == 'kl' and kv_mode != 'per_step':
+            raise ValueError(f"exit='kl' prefills a prompt one token at a time (its probe reads the coda), which "
+                             f"changes what kv_mode={kv_mode!r} gives a prompt; use kv_mode='per_step' or exit='state'")
+        if self.training:
+            raise ValueError("early exit is for inference: call model.eval() first (training samples the depth)")
+        r = self.resolve_steps(num_steps)
+        if early_exit.min_steps > r:
+            raise ValueError(f"min_steps={early_exit.min_steps} exceeds the {r} recurrence steps this "
+                             f"forward runs; pick min_steps <= {r}")
+
+    def recur_with_exit(self, h, e, r, caches, coda_caches, early_exit):
+        """recur with per-token early exit: each token stops after its own depth d <= r, by
+        early_exit's criterion (EarlyExit). While any token of the chunk still runs, every token
+        passes the step (masking: rows of a batch exit independently, at the cost of the slowest),
+        and an exited token's state stays h_d. Its keys and values at later steps are filled from
+        step d (ExitFillCache, which also runs without a cache, so an uncached forward keeps the same
+        rule). Once every token has exited, the remaining steps only fill their caches.
+        Records self.exit_steps (B, T), each token's d, and self.exit_stats: 'steps_run' (steps
+        the chunk ran, the batch's max of d) and 'probes' (coda-and-head passes for 'kl')."""
+        n, rule = self.config.n_core, early_exit
+        exited = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+        depth = torch.full(h.shape[:2], r, dtype=torch.long, device=h.device)
+        n_exited, n_tokens = 0, exited.numel()  # counted on the host: one sync a step
+        log_p = None  # 'kl': log p_(s-1), the previous exit's distribution
+        if rule.criterion == 'kl' and rule.min_steps == 1 and r > 1:
+            log_p = self.exit_log_probs(h, coda_caches)  # p_0
+        probes, steps_run = int(log_p is not None), 0
+        fills = [None] * n
+        for step in range(r):
+            s = step + 1  # the steps a token has run after this one
+            fills = [ExitFillCache(cache, exited if n_exited else None, None if fill is None else fill.chunk)
+                     for cache, fill in zip(caches[step * n: (step + 1) * n], fills)]
+            if n_exited == n_tokens:  # nothing left to run: store the exited tokens' last keys and values
+                for fill in fills:
+                    fill.fill()
+                continue
+            h_next = self.recurrence_step(h, e, fills)
+            if n_exited:  # exited tokens keep h_d
+                h_next = torch.where(exited.unsqueeze(-1), h.to(h_next.dtype), h_next)
+            steps_run += 1
+            if s == r:  # the last step: every token stops here
+                h = h_next
+                break
+            stop = None  # tokens whose c_s < threshold, (B, T), from step min_steps on
+            if rule.criterion == 'state' and s >= rule.min_steps:
+                # ||h_s - h_(s-1)|| / ||h_(s-1)|| < threshold, multiplied out (an all-zero h_(s-1) never exits)
+                h_prev = h.float()
+                stop = (h_next.float() - h_prev).norm(dim=-1) < rule.threshold * h_prev.norm(dim=-1)
+            elif rule.criterion == 'kl' and s >= rule.min_steps - 1:
+                log_p_next = self.exit_log_probs(h_next, coda_caches)
+                probes += 1
+                if log_p is not None:  # KL(p_(s-1) || p_s)
+                    stop = (log_p.exp() * (log_p - log_p_next)).sum(dim=-1).clamp_min(0) < rule.threshold
+                log_p = log_p_next
+            if stop is not None and bool(stop.any()):  # one sync a step; no bookkeeping until a token stops
+                stop &= ~exited
+                depth.masked_fill_(stop, s)
+                exited = exited | stop
+                n_exited = int(exited.sum())
+            h = h_next
+        self.exit_steps, self.exit_stats = depth, dict(steps_run=steps_run, probes=probes)
+        return h
+
+    def body_token_by_token(self, x, r, kv_cache, early_exit):
+        """body for a chunk of several tokens under the 'kl' criterion, one token at a time through
+        the cache (a cache for the chunk alone when there is none). The 'kl' probe of a token reads
+        the coda, whose attention needs the earlier tokens' final coda keys and values; in one
+        parallel pass the chunk's earlier tokens would still be at the probe's step. One at a time,
+        a prefilled prompt equals the same tokens decoded, as Huginn's prefill with exits does
+        (_prefill_with_varied_exit_steps in recpre/raven_modeling_minimal.py)."""
+        cache = kv_cache or self.new_kv_cache(x.size(1), r)
+        outputs, depths, steps_run, probes = [], [], 0, 0
+        for t in range(x.size(1)):
+            outputs.append(self.body(x[:, t:t + 1], r, cache, early_exit))
+            depths.append(self.exit_steps)
+            steps_run, probes = steps_run + self.exit_stats['steps_run'], probes + self.exit_stats['probes']
+        self.exit_steps, self.exit_stats = torch.cat(depths, dim=1), dict(steps_run=steps_run, probes=probes)
+        return torch.cat(outputs, dim=1)
+
+    def exit_log_probs(self, h, coda_caches):
+        """log p_s: the next-token log-probabilities (fp32) of exiting with state h, through the coda
+        (reading its caches without changing them), ln_f and the head: the 'kl' criterion's probe."""
+        x = self.before_coda(h)
+        for block, cache in zip(self.transformer.coda, coda_caches):
+            x = block(x, None if cache is None else PeekCache(cache))
+        return F.log_softmax(self.lm_head(self.transformer.ln_f(x)).float(), dim=-1)
+
+    def exit_probe_flops(self, seq_len):
+        """Forward FLOPs per token of one 'kl' probe: the coda's blocks and the LM head (2 d vocab)."""
+        c, d = self.config, self.config.n_embd
+        return c.n_coda * (24 * d * d + 4 * seq_len * d) + 2 * d * c.vocab_size
 
     def resolve_steps(self, num_steps):
         if num_steps is None:
@@ -599,8 +636,8 @@ class GRT(LanguageModel):
         c = self.config
         if kv_mode == 'per_step':
             return [KVCache(max_len) for _ in range(self.num_block_passes(r))]
-        if kv_mode not in KV_MODES:
-            raise ValueError(f"unknown kv_mode {kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+        if kv_mode not in self.kv_modes:
+            raise ValueError(f"unknown kv_mode {kv_mode!r}; choose one of {', '.join(self.kv_modes)}")
         layers = [CoreLayerCache(max_len, r, kv_mode) for _ in range(c.n_core)]
         per_step = [layer.steps() for layer in layers]  # per_step[j][s]: core layer j at step s
         core = [per_step[j][s] for s in range(r) for j in range(c.n_core)]
@@ -609,13 +646,11 @@ class GRT(LanguageModel):
 
     def flops_per_token(self, seq_len, num_steps=None):
         """Forward FLOPs per token, LM head excluded: every block pass costs 24 d^2 + 4 S d, and each
-        step adds 10 d^2 (W_proj: 2 * 2d^2, gate f_g: 2 * 3d^2). r = R unless given; a mean r
-        (e.g. (R + 1) / 2 for training under uniform sampling) may be fractional. Ablation rungs:
-        4 d^2 per step at rung 4 (W_proj only), nothing at rungs 1-3."""
+        step adds step_flops(). r = R unless given; a mean r (e.g. (R + 1) / 2 for training under
+        uniform sampling) may be fractional."""
         c, d = self.config, self.config.n_embd
         r = c.n_recur if num_steps is None else num_steps
-        per_step = {5: 10, 4: 4}.get(c.rung, 0) * d * d
-        return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + per_step * r
+        return (c.n_prelude + c.n_core * r + c.n_coda) * (24 * d * d + 4 * seq_len * d) + self.step_flops() * r
 
     def sample_depth(self, generator):
         """r ~ Uniform{1..R}: every exit is trained."""
@@ -627,64 +662,36 @@ class GRT(LanguageModel):
 
 
 # -----------------------------------------------------------------------------
-# Registry and presets shared by every script and test
-
-MODELS = {
-    'gpt': (GPTConfig, GPT),
-    'grt': (GRTConfig, GRT),
-    # 'huginn' and 'mor', the paper's recurrent baselines, are added by baselines.py (imported at the end)
-}
+# The Gated Recurrent Transformer
 
 
-def _grt(prelude, core, recur, coda, n_embd, n_head):
-    return dict(model_type='grt', n_prelude=prelude, n_core=core, n_recur=recur, n_coda=coda,
-                n_embd=n_embd, n_head=n_head)
+class GRT(RecurrentLM):
+    """RecurrentLM with the paper's gated step: W_proj re-injects the prelude output e into the
+    noisy state, the shared core transforms it, and a gate keeps or rewrites the state per token
+    and channel."""
 
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.n_embd
+        self.proj = nn.Linear(2 * d, d, bias=config.bias)  # W_proj of Eq. 2
+        self.ln_h = nn.LayerNorm(d, bias=config.bias)  # the two LayerNorms of Eq. 5
+        self.ln_e = nn.LayerNorm(d, bias=config.bias)
+        # f_g of Eq. 5; its last Linear always has a bias, because Eq. 5's +4 initialisation lives there
+        self.gate = nn.Sequential(nn.Linear(2 * d, d, bias=config.bias), nn.SiLU(), nn.Linear(d, d))
+        self._finish_init()
+        nn.init.constant_(self.gate[-1].bias, config.gate_bias)
 
-PRESETS = {
-    # paper scale (vocab 50304, block 1024): the dense GPT-2 and the GRT layouts p + c x R + k
-    'gpt2-small': dict(model_type='gpt', n_layer=12, n_embd=768, n_head=12),
-    'gpt2-medium': dict(model_type='gpt', n_layer=24, n_embd=1024, n_head=16),
-    'gpt2-large': dict(model_type='gpt', n_layer=36, n_embd=1280, n_head=20),
-    'grt-small-isoflop': _grt(1, 1, 10, 1, 768, 12),
-    'grt-medium-isoflop': _grt(2, 5, 4, 2, 1024, 16),
-    'grt-large-isoflop': _grt(1, 5, 6, 5, 1280, 20),
-    'grt-small-isoparam': _grt(1, 10, 10, 1, 768, 12),
-    'grt-medium-isoparam': _grt(2, 20, 4, 2, 1024, 16),
-    'grt-large-isoparam': _grt(3, 30, 6, 3, 1280, 20),
-    # small enough for tests and CPU smoke runs
-    'tiny-gpt': dict(model_type='gpt', n_layer=4, n_embd=64, n_head=4, block_size=64, vocab_size=256),
-    'tiny-grt': dict(_grt(1, 1, 4, 1, 64, 4), block_size=64, vocab_size=256),
-}
-for _preset in PRESETS.values():
-    _preset.setdefault('block_size', 1024)
-    _preset.setdefault('vocab_size', 50304)
+    def recurrence_step(self, h, e, caches):
+        """One step of the gated recurrence, the paper's Eq. 2-5. h: state, e: prelude output."""
+        c = self.config
+        eps_x = torch.randn_like(h) * c.state_noise if self.training else 0.0  # fresh every step
+        eps_g = torch.randn_like(h) * c.gate_noise if self.training else 0.0
+        u = self.proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2: u = W_proj [h + eps_x ; e]
+        o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
+        g = torch.sigmoid(self.gate(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
+        return g * h + (1 - g) * o  # Eq. 4: g near 1 keeps h
 
-
-def preset(name, **overrides):
-    """(model_type, config) of a named preset, with fields overridden."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
-    args = {**PRESETS[name], **overrides}
-    model_type = args.pop('model_type')
-    return model_type, MODELS[model_type][0](**args)
-
-
-def from_checkpoint(checkpoint, **config_overrides):
-    """The model a train.py checkpoint holds (its 'model_type', 'model_args' and 'model' entries)."""
-    model = build_model(checkpoint['model_type'], **{**checkpoint['model_args'], **config_overrides})
-    state = {k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()}  # compiled models
-    model.load_state_dict(state)
-    return model
-
-
-def build_model(model_type, **config_args):
-    """A fresh model of a registered type from config fields."""
-    if model_type not in MODELS:
-        raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(MODELS)}")
-    config_class, model_class = MODELS[model_type]
-    return model_class(config_class(**config_args))
-
-
-# The paper's baselines (Huginn, MoR) are built on GRT; importing them registers them in MODELS.
-import baselines  # noqa: E402,F401  (last, because baselines imports this module)
+    def step_flops(self):
+        """W_proj (2 * 2d^2) and the gate's f_g (2 * 3d^2) per token and step."""
+        d = self.config.n_embd
+        return 10 * d * d

@@ -16,12 +16,13 @@ import torch
 
 import prepare_data
 from config import ConfigError, parse_config
-from model import GPT, GRT, from_checkpoint
-from train import autocast_context, pick_device, pick_dtype
+from common import autocast_context, fail, load_model, pick_device, pick_dtype
+from model import EarlyExit, RecurrentLM
 
 DEFAULTS = dict(
-    init_from='resume',  # 'resume' (out_dir/ckpt.pt, written by train.py) or 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+    init_from='resume',  # 'resume' (a checkpoint in out_dir, written by train.py) or 'gpt2', 'gpt2-medium', ...
     out_dir='out',
+    ckpt='best.pt',  # in out_dir: 'best.pt' (best val loss) or 'ckpt.pt' (the latest, as training left it)
     start='\n',  # the prompt, or 'FILE:path' to read it from a file
     num_samples=3,
     max_new_tokens=500,
@@ -29,42 +30,13 @@ DEFAULTS = dict(
     top_k=200,  # keep only the top_k most likely tokens; None keeps all
     seed=1337,
     num_steps=None,  # GRT: recurrence steps R at generation; None = the R it was trained with
-    kv_mode='per_step',  # GRT core KV cache: 'per_step' (exact), 'shared' or 'mean' (see model.GRT.new_kv_cache)
+    kv_mode='per_step',  # GRT core KV cache: 'per_step' (exact), 'shared' or 'mean' (see model.RecurrentLM.new_kv_cache)
+    exit='state',  # early exit's criterion (recurrent models): 'state' (relative state change) or 'kl' (see model.EarlyExit)
+    exit_threshold=None,  # per-token early exit below this criterion value; None = every token runs num_steps
+    min_steps=1,  # early exit: the fewest recurrence steps a token runs
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', ...
     dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16', as in train.py
 )
-GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
-
-
-def fail(message):
-    sys.exit(f"error: {message}")
-
-
-def load_model(init_from, out_dir, device):
-    """(model in eval mode on device, meta) for a train.py checkpoint or a pretrained GPT-2."""
-    if init_from in GPT2_NAMES:
-        try:
-            model = GPT.from_pretrained(init_from)
-        except OSError as e:
-            fail(f"could not load {init_from} from Hugging Face ({str(e).splitlines()[0]}); it needs "
-                 f"internet access once, or a local copy in the Hugging Face cache")
-        meta = {'tokenizer': 'gpt2', 'vocab_size': model.config.vocab_size}
-    elif init_from == 'resume':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.isfile(path):
-            fail(f"no checkpoint at {path}; train one with `python train.py ... --out_dir={out_dir}`, "
-                 f"point --out_dir at a directory holding ckpt.pt, or use --init_from=gpt2")
-        checkpoint = torch.load(path, map_location='cpu', weights_only=False)
-        try:
-            model = from_checkpoint(checkpoint)
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            fail(f"{path} does not hold a model this model.py can build ({str(e).splitlines()[0]}); "
-                 f"was it written by train.py?")
-        meta = checkpoint.get('meta') or {'tokenizer': 'gpt2'}
-    else:
-        fail(f"init_from must be 'resume' or one of {', '.join(GPT2_NAMES)}, got {init_from!r}")
-    model.eval()
-    return model.to(device), meta
 
 
 def read_prompt(start):
@@ -77,13 +49,34 @@ def read_prompt(start):
     return start
 
 
+def prompt_ids(c, encode, block_size):
+    """The prompt's token ids, cropped to the last block_size with a warning."""
+    try:
+        ids = encode(read_prompt(c['start']))
+    except ValueError as e:  # a char vocabulary lacks some of the prompt's characters
+        fail(f"{e}; change --start")
+    if not ids:
+        fail("the prompt is empty; pass --start with at least one character")
+    if len(ids) > block_size:
+        print(f"warning: the prompt has {len(ids)} tokens, more than block_size {block_size}; "
+              f"keeping its last {block_size}", file=sys.stderr)
+        ids = ids[-block_size:]
+    return ids
+
+
+def generation_kwargs(c):
+    """The settings model.generate_tokens takes from the command line."""
+    return dict(temperature=c['temperature'], top_k=c['top_k'], num_steps=c['num_steps'], kv_mode=c['kv_mode'],
+                exit_threshold=c['exit_threshold'], min_steps=c['min_steps'], exit=c['exit'])
+
+
 def check_generation_args(model, c):
     """The sampling settings this model accepts, each refused with a one-line fix."""
     if c['kv_mode'] not in model.kv_modes:
         fail(f"kv_mode {c['kv_mode']!r} is not available for this {type(model).__name__}; "
              f"choose one of {', '.join(model.kv_modes)}")
-    if not isinstance(model, GRT) and c['num_steps'] is not None:
-        fail("num_steps applies to a recurrent (GRT) model; this checkpoint is dense, leave it unset")
+    if not isinstance(model, RecurrentLM) and c['num_steps'] is not None:
+        fail("num_steps applies to a recurrent model (GRT and the baselines); this checkpoint is dense, leave it unset")
     if c['num_steps'] is not None and (not isinstance(c['num_steps'], int) or c['num_steps'] < 1):
         fail(f"num_steps must be an integer >= 1 (the model was trained with R = {model.config.n_recur}), "
              f"got {c['num_steps']!r}")
@@ -91,6 +84,11 @@ def check_generation_args(model, c):
         fail(f"temperature must be >= 0 (0 = greedy), got {c['temperature']}")
     if c['top_k'] is not None and (not isinstance(c['top_k'], int) or c['top_k'] < 1):
         fail(f"top_k must be an integer >= 1 or None, got {c['top_k']!r}")
+    if c['exit_threshold'] is not None:
+        try:
+            model.check_early_exit(EarlyExit(c['exit_threshold'], c['min_steps'], c['exit']), c['num_steps'], c['kv_mode'])
+        except ValueError as e:
+            fail(str(e))
 
 
 class StreamDecoder:
@@ -127,20 +125,16 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    model, meta = load_model(c['init_from'], c['out_dir'], device)
+    model, checkpoint = load_model(c['init_from'], c['out_dir'], device, c['ckpt'])
+    if checkpoint is not None:  # which weights: best.pt (best val loss) or ckpt.pt (the latest)
+        val = f", val loss {checkpoint['val_loss']:.4f}" if checkpoint.get('val_loss') is not None else ''
+        print(f"sampling from {os.path.join(c['out_dir'], c['ckpt'])} (iteration {checkpoint.get('iter_num', '?')}"
+              f"{val})", file=sys.stderr)
+    meta = checkpoint.get('meta') if checkpoint else None
+    meta = meta or {'tokenizer': 'gpt2', 'vocab_size': model.config.vocab_size}
     check_generation_args(model, c)
     encode, decode = prepare_data.get_tokenizer(meta)
-    try:
-        start_ids = encode(read_prompt(c['start']))
-    except ValueError as e:  # a char vocabulary lacks some of the prompt's characters
-        fail(f"{e}; change --start")
-    if not start_ids:
-        fail("the prompt is empty; pass --start with at least one character")
-    block_size = model.config.block_size
-    if len(start_ids) > block_size:
-        print(f"warning: the prompt has {len(start_ids)} tokens, more than block_size {block_size}; "
-              f"keeping its last {block_size}", file=sys.stderr)
-        start_ids = start_ids[-block_size:]
+    start_ids = prompt_ids(c, encode, model.config.block_size)
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 
     torch.manual_seed(c['seed'])  # here, after building the model (its init draws from the same generator)
@@ -149,11 +143,15 @@ def main(argv=None):
         for _ in range(c['num_samples']):
             print(decode(start_ids), end='', flush=True)
             stream = StreamDecoder(decode)
-            tokens = model.generate_tokens(x, c['max_new_tokens'], temperature=c['temperature'],
-                                           top_k=c['top_k'], num_steps=c['num_steps'], kv_mode=c['kv_mode'])
-            for token in tokens:
+            depths = []  # early exit: the core steps behind each sampled token
+            for token in model.generate_tokens(x, c['max_new_tokens'], **generation_kwargs(c)):
                 print(stream.add(token.item()), end='', flush=True)
+                if c['exit_threshold'] is not None:
+                    depths.append(model.exit_steps[0, -1].item())
             print(stream.flush())
+            if depths:
+                print(f"(early exit: {sum(depths) / len(depths):.2f} core steps per token on average, "
+                      f"of {c['num_steps'] or model.config.n_recur})", file=sys.stderr)
             print('---------------')
 
 

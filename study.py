@@ -3,6 +3,7 @@ The paper's comparisons at laptop scale, on shakespeare_char, with one resumable
 
     python study.py                       # the whole study (see README for its wall time here)
     python study.py --sections=isoflop,depth --seeds=1 --iters=300   # a quick partial look
+    python study.py --sections=tune       # pick each model's learning rate (run once; see LEARNING_RATES)
 
 Each run is `python train.py config/study.py <model> --seed=S --max_iters=N --out_dir=...`, its output
 kept in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt). A run with result.json is done and
@@ -12,16 +13,27 @@ when matplotlib is installed, loss_curves.png and depth.png.
 
 Sections:
   isoflop   dense GPT, GRT, huginn, mor and ladder rung 2 at matched training FLOPs per token and
-            matched tokens, `seeds` seeds each
+            matched tokens, `seeds` seeds each; MoR's eval routing (the fraction of tokens each
+            recursion keeps) and the eval FLOPs it implies
   budget2x  dense and GRT with twice the tokens
   isoparam  dense against a GRT with a deeper shared core (the same unique blocks)
   depth     the trained isoFLOP GRT evaluated at R = 1 .. 2R
   ladder    the five rungs of the ablation ladder, all at matched training FLOPs (rung 2, plain
-            recurrence, and rung 5, the GRT, are isoflop runs)
+            recurrence, and rung 5, the GRT, are isoflop runs): the parts a rung lacks buy it more steps
+  ladder_fixed  the five rungs at the GRT's own layout (R = 5, 3 unique blocks), FLOPs not matched:
+            each step up the ladder adds one part and nothing else
   bench     bench.py's small and large decode tables
+  tune      not in the default: every model of isoflop, isoparam, ladder and ladder_fixed trained once
+            (seed tune_seed) at each learning rate of lr_grid; the best goes into LEARNING_RATES by hand,
+            so the default study never retunes
+
+Every run uses its model's rate from LEARNING_RATES (min_lr a tenth of it), else the recipe's. A gap
+between two models is marked "clear" only when it exceeds twice their combined spread over seeds,
+2 sqrt(std_a^2 + std_b^2).
 """
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,19 +45,22 @@ from tqdm import tqdm
 
 import prepare_data
 from config import ConfigError, parse_config
-from model import build_model, from_checkpoint
-from train import Batches, rng_key
+from common import Batches, fail, load_model, rng_key
+from registry import build_model, from_checkpoint
 
 DEFAULTS = dict(
     out_dir='results/study',
     data_dir='data',
-    sections='isoflop,budget2x,isoparam,depth,ladder,bench',
-    seeds=2,
-    iters=1000,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each
+    sections='isoflop,budget2x,isoparam,depth,ladder,ladder_fixed,bench',
+    seeds=3,
+    iters=800,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each; the default study fits 90 min
     depth_eval_iters=20,  # val batches (of the recipe's 12 x 64 tokens) per depth in the depth section
+    lr_grid='5e-4,1e-3,2e-3,4e-3',  # the tune section's learning rates
+    tune_seed=100,  # the tune section's one seed, apart from the seeds the tables report
 )
 RECIPE = 'config/study.py'
 SEQ_LEN = 64  # the recipe's block_size
+TOKENS_PER_ITER = 12 * SEQ_LEN  # the recipe's batch_size x block_size
 
 # The models, each as train.py model fields. Every model but grt_deep is matched to the 6-layer
 # dense model in *training* FLOPs per token (within 3.5%, depth drawn as training draws it; see
@@ -59,24 +74,46 @@ MODELS = {
     # middle-cycle sharing: unique first and last layers, the shared middle recursed 7 times, routed
     'mor': dict(model_type='mor', n_prelude=1, n_core=1, n_recur=7, n_coda=1),
     # the ablation ladder, each rung at the same training FLOPs (the parts it lacks buy more steps):
-    'rung1': dict(model_type='grt', rung=1, n_prelude=0, n_core=1, n_recur=11, n_coda=0),  # recurrence alone
-    'rung2': dict(model_type='grt', rung=2, n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + prelude/coda
-    'rung3': dict(model_type='grt', rung=3, n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + state noise
-    'rung4': dict(model_type='grt', rung=4, n_prelude=1, n_core=1, n_recur=6, n_coda=1),  # + re-injection
+    'rung1': dict(model_type='rung1', n_prelude=0, n_core=1, n_recur=11, n_coda=0),  # recurrence alone
+    'rung2': dict(model_type='rung2', n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + prelude/coda
+    'rung3': dict(model_type='rung3', n_prelude=1, n_core=1, n_recur=7, n_coda=1),  # + state noise
+    'rung4': dict(model_type='rung4', n_prelude=1, n_core=1, n_recur=6, n_coda=1),  # + re-injection
     # isoParam: the dense model's 6 unique blocks, 4 of them as a core run 3 times
     'grt_deep': dict(model_type='grt', n_prelude=1, n_core=4, n_recur=3, n_coda=1),
 }
+# The ladder at the GRT's own layout: R = 5 and its 3 unique blocks (rung 1 has no prelude or coda, so
+# all 3 are in its core); training FLOPs differ from rung to rung (see the FLOPs table).
+FIXED_LADDER_MODELS = {
+    'rung1_fixed': dict(model_type='rung1', n_prelude=0, n_core=3, n_recur=5, n_coda=0),
+    'rung2_fixed': dict(model_type='rung2', n_prelude=1, n_core=1, n_recur=5, n_coda=1),
+    'rung3_fixed': dict(model_type='rung3', n_prelude=1, n_core=1, n_recur=5, n_coda=1),
+    'rung4_fixed': dict(model_type='rung4', n_prelude=1, n_core=1, n_recur=5, n_coda=1),
+}
 LADDER = ['rung1', 'rung2', 'rung3', 'rung4', 'grt']  # rung 5 is the full GRT
+FIXED_LADDER = ['rung1_fixed', 'rung2_fixed', 'rung3_fixed', 'rung4_fixed', 'grt']
 SECTIONS = {  # section -> [(model, iterations multiplier)]
     'isoflop': [(m, 1) for m in ('gpt', 'grt', 'huginn', 'mor', 'rung2')],
     'budget2x': [('gpt', 2), ('grt', 2)],
     'isoparam': [('gpt', 1), ('grt_deep', 1)],
     'ladder': [(m, 1) for m in LADDER],
+    'ladder_fixed': [(m, 1) for m in FIXED_LADDER],
 }
+REFERENCE = {'isoflop': 'gpt', 'budget2x': 'gpt', 'isoparam': 'gpt', 'ladder': None, 'ladder_fixed': None}
+TUNED = ('isoflop', 'isoparam', 'ladder', 'ladder_fixed')  # the sections whose models the tune section tunes
+# Each model's learning rate, chosen by `python study.py --sections=tune` (the lowest best val loss over
+# lr_grid, seed tune_seed, `iters` iterations); a model not listed trains at the recipe's 1e-3.
+LEARNING_RATES = {}
 
 
-def fail(message):
-    sys.exit(f"error: {message}")
+def spec(name):
+    """A study model's train.py fields."""
+    if name in MODELS:
+        return MODELS[name]
+    return FIXED_LADDER_MODELS[name]
+
+
+def learning_rate(name):
+    return LEARNING_RATES.get(name)
 
 
 # -----------------------------------------------------------------------------
@@ -84,9 +121,9 @@ def fail(message):
 
 
 def model_of(name):
-    fields = {k: v for k, v in MODELS[name].items() if k != 'model_type'}
+    fields = {k: v for k, v in spec(name).items() if k != 'model_type'}
     with torch.device('meta'):
-        return build_model(MODELS[name]['model_type'], block_size=SEQ_LEN, vocab_size=65, n_embd=128,
+        return build_model(spec(name)['model_type'], block_size=SEQ_LEN, vocab_size=65, n_embd=128,
                            n_head=4, **fields)
 
 
@@ -111,7 +148,7 @@ def flops_table(names):
 
 
 def layout(name):
-    f = MODELS[name]
+    f = spec(name)
     if f['model_type'] == 'gpt':
         return f"{f['n_layer']} layers"
     return f"{f['n_prelude']}+{f['n_core']}x{f['n_recur']}+{f['n_coda']}"
@@ -121,32 +158,37 @@ def layout(name):
 # Runs
 
 
-def run_name(c, model, mult, seed):
-    """Named by its iterations too, so a study rerun with another --iters never reuses a run."""
-    return f"{model}-{c['iters'] * mult}it-s{seed}"
+def run_name(c, model, mult, seed, lr=None):
+    """Named by its iterations and learning rate too (lr None: LEARNING_RATES', else the recipe's), so a
+    study rerun with another --iters or rate never reuses a run."""
+    lr = lr or learning_rate(model)
+    return f"{model}-{c['iters'] * mult}it" + (f"-lr{lr:g}" if lr else '') + f"-s{seed}"
 
 
-def run_training(c, model, mult, seed, runs_dir):
-    """Train one run to completion (resuming a started one); return its result dict."""
-    out = os.path.join(runs_dir, run_name(c, model, mult, seed))
+def run_training(c, model, mult, seed, runs_dir, lr=None):
+    """Train one run to completion (resuming a started one); return its result dict. lr: the learning
+    rate (None: LEARNING_RATES', else the recipe's), min_lr a tenth of it as in the recipe."""
+    lr = lr or learning_rate(model)
+    out = os.path.join(runs_dir, run_name(c, model, mult, seed, lr))
     result_path = os.path.join(out, 'result.json')
     if os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
     os.makedirs(out, exist_ok=True)
     resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
-    fields = [f"--{k}={v}" for k, v in MODELS[model].items()]
+    fields = [f"--{k}={v}" for k, v in spec(model).items()]
+    fields += [f"--learning_rate={lr}", f"--min_lr={lr / 10}"] if lr else []
     cmd = [sys.executable, 'train.py', RECIPE, *fields, f"--seed={seed}", f"--max_iters={c['iters'] * mult}",
            f"--out_dir={out}", f"--data_dir={c['data_dir']}", f"--init_from={'resume' if resume else 'scratch'}"]
     with open(os.path.join(out, 'train.log'), 'a') as log:
         t0 = time.time()
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        fail(f"run {run_name(c, model, mult, seed)} failed (exit {done.returncode}); see {out}/train.log, "
+        fail(f"run {run_name(c, model, mult, seed, lr)} failed (exit {done.returncode}); see {out}/train.log, "
              f"then rerun study.py to continue")
     records = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
     evals = [(r['iter'], r['tokens'], r['val_loss']) for r in records if 'val_loss' in r]
-    result = dict(model=model, mult=mult, seed=seed, best_val_loss=min(v for _, _, v in evals),
+    result = dict(model=model, mult=mult, seed=seed, lr=lr, best_val_loss=min(v for _, _, v in evals),
                   final_val_loss=evals[-1][2], tokens=records[-1]['tokens'], train_time_s=records[-1]['time_s'],
                   wall_s=round(time.time() - t0, 1), evals=evals,
                   train_curve=[(r['tokens'], r['loss']) for r in records])
@@ -163,7 +205,7 @@ def depth_losses(c, runs_dir, seed):
     if os.path.isfile(path):
         with open(path) as f:
             return {int(k): v for k, v in json.load(f).items()}
-    ckpt = torch.load(os.path.join(os.path.dirname(path), 'ckpt.pt'), map_location='cpu', weights_only=False)
+    ckpt = torch.load(os.path.join(os.path.dirname(path), 'best.pt'), map_location='cpu', weights_only=False)
     model = from_checkpoint(ckpt).eval()
     val = [prepare_data.read_tokens(p) for p in prepare_data.token_files(os.path.join(c['data_dir'], 'shakespeare_char'), 'val')]
     batches = Batches(val, SEQ_LEN, ckpt['config']['batch_size'], 'cpu')
@@ -173,6 +215,32 @@ def depth_losses(c, runs_dir, seed):
     with open(path, 'w') as f:
         json.dump(losses, f)
     return losses
+
+
+@torch.no_grad()
+def mor_routing(c, runs_dir, seed):
+    """The trained isoFLOP MoR at eval: the fraction of tokens each recursion keeps (its auxiliary
+    routers decide) on fixed val batches, and the forward FLOPs per token that implies, against the
+    training schedule's and the dense model's."""
+    out = os.path.join(runs_dir, run_name(c, 'mor', 1, seed))
+    path = os.path.join(out, 'routing.json')
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    model, ckpt = load_model('resume', out, 'cpu', 'best.pt')
+    val = [prepare_data.read_tokens(p) for p in prepare_data.token_files(os.path.join(c['data_dir'], 'shakespeare_char'), 'val')]
+    batches = Batches(val, SEQ_LEN, ckpt['config']['batch_size'], 'cpu')
+    keep, flops = [], []
+    for k in range(c['depth_eval_iters']):
+        x, y = batches.get(torch.Generator().manual_seed(rng_key(0, 'routing', k)))
+        model(x, y)
+        keep.append(model.last_keep_fractions)
+        flops.append(model.eval_flops_per_token(SEQ_LEN))
+    routing = dict(keep=[statistics.fmean(step) for step in zip(*keep)], eval_flops=statistics.fmean(flops),
+                   schedule_flops=model.flops_per_token(SEQ_LEN), dense_flops=model_of('gpt').flops_per_token(SEQ_LEN))
+    with open(path, 'w') as f:
+        json.dump(routing, f)
+    return routing
 
 
 def run_bench(scale, out_dir):
@@ -193,20 +261,84 @@ def run_bench(scale, out_dir):
 # Report
 
 
+def stats(results, model, mult):
+    """(mean, std or None, count) of a model's best val losses over seeds."""
+    values = [r['best_val_loss'] for r in results if r['model'] == model and r['mult'] == mult]
+    if not values:
+        return None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None), len(values)
+
+
+def gap(a, b):
+    """(mean difference a - b, clear?): clear when |difference| > 2 sqrt(std_a^2 + std_b^2); None
+    (undecided) with fewer than 2 seeds on either side."""
+    difference = a[0] - b[0]
+    if a[1] is None or b[1] is None:
+        return difference, None
+    return difference, abs(difference) > 2 * math.hypot(a[1], b[1])
+
+
 def mean_spread(values):
     if len(values) == 1:
         return f"{values[0]:.4f}"
     return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def loss_table(results, models, mult):
-    rows = ['| model | layout | best val loss (mean ± std over seeds) | seeds | tokens | train time (s, mean) |',
-            '|---|---|---|---|---|---|']
+def loss_table(results, models, mult, reference=None):
+    """One row per model: mean ± std over seeds and its gap to the reference model (None: to the row
+    above, as up the ladder), marked clear or not."""
+    rows = ['| model | layout | lr | best val loss (mean ± std) | seeds | gap to ' + (reference or 'the rung above')
+            + ' | clear? | train time (s, mean) |', '|---|---|---|---|---|---|---|---|']
+    previous = None
     for m in models:
         rs = [r for r in results if r['model'] == m and r['mult'] == mult]
-        if rs:
-            rows.append(f"| {m} | {layout(m)} | {mean_spread([r['best_val_loss'] for r in rs])} | {len(rs)} | "
-                        f"{rs[0]['tokens']:,} | {statistics.fmean(r['train_time_s'] for r in rs):.0f} |")
+        if not rs:
+            continue
+        mine = stats(results, m, mult)
+        other = stats(results, reference, mult) if reference else previous
+        difference, clear = gap(mine, other) if other and m != reference else (None, None)
+        shown = '' if difference is None else f"{difference:+.4f}"
+        mark = '' if difference is None else {True: '**clear**', False: 'no', None: 'n/a (1 seed)'}[clear]
+        lr = rs[0].get('lr') or 'recipe'
+        rows.append(f"| {m} | {layout(m)} | {lr} | {mean_spread([r['best_val_loss'] for r in rs])} | {len(rs)} | "
+                    f"{shown} | {mark} | {statistics.fmean(r['train_time_s'] for r in rs):.0f} |")
+        previous = mine
+    return rows
+
+
+def train_tokens(c):
+    """Tokens in the training split (None if it is not there)."""
+    files = prepare_data.token_files(os.path.join(c['data_dir'], 'shakespeare_char'), 'train')
+    return sum(len(prepare_data.read_tokens(p)) for p in files) or None
+
+
+def passes_line(c, mult):
+    tokens = c['iters'] * mult * TOKENS_PER_ITER
+    text = train_tokens(c)
+    passes = f" = {tokens / text:.2f} passes over the {text:,}-token training text" if text else ''
+    return f"A run trains on {c['iters'] * mult} x {TOKENS_PER_ITER} = {tokens:,} tokens{passes}."
+
+
+def tune_table(c, tuning):
+    """Best val loss per model and learning rate; the chosen (lowest) rate in bold."""
+    grid = [float(x) for x in c['lr_grid'].split(',')]
+    rows = [f"Every model once (seed {c['tune_seed']}, {c['iters']} iterations) at each rate; the lowest "
+            f"best val loss (bold) is its rate in LEARNING_RATES.", '',
+            '| model | ' + ' | '.join(f'lr {lr:g}' for lr in grid) + ' | chosen |', '|---|' + '---|' * (len(grid) + 1)]
+    for model, losses in tuning.items():
+        best = min(losses, key=losses.get)
+        cells = [f"**{losses[lr]:.4f}**" if lr == best else f"{losses[lr]:.4f}" for lr in grid if lr in losses]
+        rows.append(f"| {model} | " + ' | '.join(cells) + f" | {best:g} |")
+    return rows
+
+
+def mor_table(routing):
+    n = len(next(iter(routing.values()))['keep'])
+    rows = ['| seed | ' + ' | '.join(f'kept at recursion {s + 1}' for s in range(n)) +
+            ' | eval FLOPs/token | x training schedule | x dense |', '|---|' + '---|' * (n + 3)]
+    for seed, r in routing.items():
+        rows.append(f"| {seed} | " + ' | '.join(f"{f:.3f}" for f in r['keep']) + f" | {r['eval_flops'] / 1e6:.2f}M | "
+                    f"{r['eval_flops'] / r['schedule_flops']:.2f} | {r['eval_flops'] / r['dense_flops']:.2f} |")
     return rows
 
 
@@ -241,19 +373,30 @@ def plot(results, depth, out_dir):
     return files
 
 
-def write_report(c, results, depth, benches, wall_s, out_dir):
+def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routing=None, sections=None):
+    """RESULTS.md: the tables of the sections run (sections None: every section with results)."""
     run_minutes = sum(r['wall_s'] for r in results) / 60
     lines = ['# Study results', '',
              f"shakespeare_char (character level), recipe `{RECIPE}`, {c['iters']} iterations a run "
              f"(x2 in budget2x), {c['seeds']} seed(s). Training runs took {run_minutes:.1f} min of wall time "
              f"in all; this invocation of `python study.py` took {wall_s / 60:.1f} min (runs already done "
-             f"are not redone).", '']
-    lines += ['## Models and FLOPs (sequence length 64, LM head excluded)', ''] + flops_table(list(MODELS)) + ['']
-    for title, models, mult in (('isoFLOPs', SECTIONS['isoflop'], 1), ('Twice the tokens', SECTIONS['budget2x'], 2),
-                                ('isoParams', SECTIONS['isoparam'], 1), ('Ablation ladder', SECTIONS['ladder'], 1)):
-        rows = loss_table(results, [m for m, _ in models], mult)
-        if len(rows) > 2:
-            lines += [f'## {title}', ''] + rows + ['']
+             f"are not redone). A gap is **clear** when it exceeds twice the combined spread over seeds, "
+             f"2 sqrt(std_a^2 + std_b^2).", '']
+    names = list(MODELS) + list(FIXED_LADDER_MODELS)
+    lines += ['## Models and FLOPs (sequence length 64, LM head excluded)', ''] + flops_table(names) + ['']
+    if tuning:
+        lines += ['## Learning rates (the tune section)', ''] + tune_table(c, tuning) + ['']
+    for title, section, mult in (('isoFLOPs', 'isoflop', 1), ('Twice the tokens', 'budget2x', 2),
+                                 ('isoParams', 'isoparam', 1), ('Ablation ladder, FLOP-matched', 'ladder', 1),
+                                 ('Ablation ladder at the GRT layout (R = 5, 3 unique blocks)', 'ladder_fixed', 1)):
+        rows = loss_table(results, [m for m, _ in SECTIONS[section]], mult, REFERENCE[section])
+        if len(rows) > 2 and (sections is None or section in sections):
+            lines += [f'## {title}', '', passes_line(c, mult), ''] + rows + ['']
+    if routing:
+        lines += ["## MoR at eval: the tokens each recursion keeps (auxiliary routers) and the FLOPs that cost", '',
+                  "Training keeps (N_r - s) / N_r of the tokens at recursion s (expert choice); eval keeps what "
+                  "the causal auxiliary routers say. FLOPs per token, forward, LM head excluded, at sequence "
+                  "length 64.", ''] + mor_table(routing) + ['']
     if depth:
         lines += ['## Test-time depth (GRT trained with R = %d)' % MODELS['grt']['n_recur'], '',
                   '| R | ' + ' | '.join(f'seed {s}' for s in depth) + ' |', '|---|' + '---|' * len(depth)]
@@ -269,35 +412,65 @@ def write_report(c, results, depth, benches, wall_s, out_dir):
         f.write('\n'.join(lines))
 
 
+def tune(c, runs_dir):
+    """Train every tuned model once at each rate of lr_grid; write tune.json and tune.md; return
+    {model: {lr: best val loss}}."""
+    try:
+        grid = [float(x) for x in c['lr_grid'].split(',')]
+    except ValueError:
+        fail(f"lr_grid must be comma-separated numbers, e.g. 5e-4,1e-3,2e-3,4e-3; got {c['lr_grid']!r}")
+    models = list(dict.fromkeys(m for s in TUNED for m, _ in SECTIONS[s]))
+    tuning = {m: {} for m in models}
+    with tqdm(total=len(models) * len(grid), desc='tune', unit='run') as bar:
+        for model in models:
+            for lr in grid:
+                name = run_name(c, model, 1, c['tune_seed'], lr)
+                bar.set_postfix_str(name)
+                tuning[model][lr] = run_training(c, model, 1, c['tune_seed'], runs_dir, lr)['best_val_loss']
+                bar.write(f"{name}: best val loss {tuning[model][lr]:.4f}")
+                bar.update()
+    chosen = {m: min(losses, key=losses.get) for m, losses in tuning.items()}
+    with open(os.path.join(c['out_dir'], 'tune.json'), 'w') as f:
+        json.dump(dict(grid=grid, seed=c['tune_seed'], iters=c['iters'], losses=tuning, chosen=chosen), f, indent=1)
+    with open(os.path.join(c['out_dir'], 'tune.md'), 'w') as f:
+        f.write('\n'.join(['# Learning rates', ''] + tune_table(c, tuning)) + '\n')
+    print("chosen learning rates; record them in study.py's LEARNING_RATES:")
+    print('LEARNING_RATES = {' + ', '.join(f"'{m}': {lr:g}" for m, lr in chosen.items()) + '}')
+    return tuning
+
+
 def main(argv=None):
     try:
         c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         fail(e)
     sections = [s for s in c['sections'].split(',') if s]
-    unknown = [s for s in sections if s not in (*SECTIONS, 'depth', 'bench')]
+    known = (*SECTIONS, 'depth', 'bench', 'tune')
+    unknown = [s for s in sections if s not in known]
     if unknown:
-        fail(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join([*SECTIONS, 'depth', 'bench'])}")
+        fail(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     runs_dir = os.path.join(c['out_dir'], 'runs')
     os.makedirs(runs_dir, exist_ok=True)
+    t0 = time.time()
+    tuning = tune(c, runs_dir) if 'tune' in sections else None
     wanted = []
     for s in sections:
         for model, mult in SECTIONS.get(s, []) + ([('grt', 1)] if s == 'depth' else []):
             for seed in range(c['seeds']):
                 if (model, mult, seed) not in wanted:
                     wanted.append((model, mult, seed))
-    t0 = time.time()
     results = []
     units = sum(mult for _, mult, _ in wanted)
-    with tqdm(total=units, desc='study', unit='run') as bar:
+    with tqdm(total=units, desc='study', unit='run', disable=not wanted) as bar:
         for model, mult, seed in wanted:
             bar.set_postfix_str(run_name(c, model, mult, seed))
             results.append(run_training(c, model, mult, seed, runs_dir))
             bar.write(f"{run_name(c, model, mult, seed)}: best val loss {results[-1]['best_val_loss']:.4f}")
             bar.update(mult)
     depth = {seed: depth_losses(c, runs_dir, seed) for seed in range(c['seeds'])} if 'depth' in sections else {}
+    routing = {seed: mor_routing(c, runs_dir, seed) for seed in range(c['seeds'])} if 'isoflop' in sections else {}
     benches = {scale: run_bench(scale, c['out_dir']) for scale in ('small', 'large')} if 'bench' in sections else {}
-    write_report(c, results, depth, benches, time.time() - t0, c['out_dir'])
+    write_report(c, results, depth, benches, time.time() - t0, c['out_dir'], tuning, routing, sections)
     print(f"wrote {os.path.join(c['out_dir'], 'RESULTS.md')} in {(time.time() - t0) / 60:.1f} min")
 
 

@@ -1,5 +1,6 @@
-"""Tests of the paper's baselines (baselines.py: Huginn, MoR) and GRT's ablation ladder (GRTConfig.rung),
-on CPU at tiny sizes: each checked against a computation written out here from its equations."""
+"""Tests of the paper's baselines (baselines.py: Huginn, MoR, the ablation ladder rung1..rung4), on CPU
+at tiny sizes: each checked against a computation written out here from its equations. What every
+model must do (shapes, causality, caches, determinism, counted FLOPs) is in test_contract.py."""
 
 import math
 
@@ -12,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from baselines import Huginn, HuginnConfig, MoR, MoRConfig
-from model import GRT, MODELS, build_model
+from model import RecurrentLM
+from registry import MODELS, build_model
 
 V, S, D = 50, 32, 32
 SMALL = dict(vocab_size=V, block_size=S, n_embd=D, n_head=4, dropout=0.0)
@@ -33,7 +35,7 @@ def mor(**overrides):
 
 def rung(k, **overrides):
     layout = dict(n_prelude=0, n_coda=0) if k == 1 else dict(n_prelude=1, n_coda=1)
-    return make('grt', **{**layout, 'n_core': 2, 'n_recur': 3, 'rung': k, **overrides})
+    return make(f'rung{k}', **{**layout, 'n_core': 2, 'n_recur': 3, **overrides})
 
 
 def mixed_routing(model, std=2.0):
@@ -89,88 +91,28 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(params=list(VARIANTS))
-def variant(request):
-    return VARIANTS[request.param]().eval()
-
-
 # ---------------------------------------------------------------------------------------------
-# What every variant must do: shapes, causality, cache == no cache, eval determinism
+# Registration and configuration
 
 
 def test_registered_and_built_from_config():
     assert MODELS['huginn'] == (HuginnConfig, Huginn) and MODELS['mor'] == (MoRConfig, MoR)
-    assert isinstance(huginn(), GRT) and isinstance(mor(), GRT)  # they reuse GRT's prelude, coda, loop
+    assert isinstance(huginn(), RecurrentLM) and isinstance(mor(), RecurrentLM)  # the shared depth loop
 
 
 @pytest.mark.parametrize('model_type, fields, message', [
-    ('grt', dict(rung=6), 'rung must be 1..5'),
-    ('grt', dict(rung=1, n_prelude=1), 'set n_prelude=0 and n_coda=0'),
-    ('huginn', dict(rung=5), "huginn's step is rung 4"),
+    ('rung1', dict(n_prelude=1), 'set n_prelude=0 and n_coda=0'),
     ('huginn', dict(backprop_depth=0), 'backprop_depth >= 1'),
     ('mor', dict(n_prelude=0), 'unique first and last layers'),
-    ('mor', dict(rung=5), 'leave rung out'),
+    # a setting a model does not have is refused, not silently ignored
+    ('huginn', dict(gate_noise=0.2), "gate_noise do not apply to model_type 'huginn'"),
+    ('mor', dict(state_noise=0.1), "state_noise do not apply to model_type 'mor'"),
+    ('rung2', dict(state_noise=0.1), "state_noise do not apply to model_type 'rung2'"),
+    ('grt', dict(backprop_depth=3), "backprop_depth do not apply to model_type 'grt'"),
 ])
 def test_bad_configuration_raises_clear_error(model_type, fields, message):
     with pytest.raises(ValueError, match=message):
         build_model(model_type, **{**SMALL, **fields})
-
-
-def test_output_shapes(variant):
-    idx = torch.randint(0, V, (3, 17))
-    logits, loss = variant(idx, targets=idx)
-    assert logits.shape == (3, 17, V) and loss.dim() == 0
-    logits, loss = variant(idx)
-    assert logits.shape == (3, 1, V) and loss is None
-
-
-def test_causality_at_inference(variant):
-    torch.manual_seed(3)
-    idx = torch.randint(0, V, (2, 20))
-    changed = idx.clone()
-    changed[:, 12] = (changed[:, 12] + 1) % V
-    a, b = logits_all(variant, idx), logits_all(variant, changed)
-    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=1e-6)
-    assert not torch.allclose(a[:, 12:], b[:, 12:])
-
-
-def test_cached_logits_equal_uncached(variant):
-    """Prefill 7 tokens, then decode one at a time: every position's logits equal the full forward's."""
-    torch.manual_seed(4)
-    idx = torch.randint(0, V, (2, 16))
-    full = logits_all(variant, idx)
-    cache = variant.new_kv_cache(16)
-    steps = [variant(idx[:, :7], kv_cache=cache, targets=torch.zeros_like(idx[:, :7]))[0]]
-    for t in range(7, 16):
-        steps.append(variant(idx[:, t:t + 1], kv_cache=cache)[0])
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-
-
-def test_greedy_generation_cached_equals_uncached(variant):
-    torch.manual_seed(1)
-    with torch.no_grad():  # weights large enough that greedy decoding does not repeat one token
-        for name, p in variant.named_parameters():
-            if p.dim() >= 2 and not name.startswith('aux_routers'):
-                p.normal_(0.0, 0.5)
-    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(5))
-    cached = variant.generate(prompt, 40, temperature=0)  # past block_size: the window slides
-    uncached = variant.generate(prompt, 40, temperature=0, use_cache=False)
-    assert torch.equal(cached, uncached)
-    assert len(set(cached[:, 5:].flatten().tolist())) > 2
-
-
-def test_eval_is_deterministic_and_training_is_not(variant):
-    idx = torch.randint(0, V, (2, 16))
-    first = logits_all(variant, idx)
-    variant.train()
-    torch.manual_seed(6)
-    train_a = logits_all(variant, idx, num_steps=3)
-    torch.manual_seed(7)
-    train_b = logits_all(variant, idx, num_steps=3)
-    variant.eval()
-    torch.testing.assert_close(logits_all(variant, idx), first, rtol=0, atol=0)
-    if not isinstance(variant, MoR) and variant.config.rung >= 3:  # noise or random h0 in training
-        assert not torch.allclose(train_a, train_b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,26 +134,6 @@ def test_parameter_counts(name):
         n += 2 * d * d + d  # the adapter / W_proj, Linear(2d, d)
     assert model.get_num_params() == n
     assert model.get_num_params(non_embedding=False) == n + V * d + S * d
-
-
-def counted_forward_flops(model, idx):
-    """FLOPs torch counts in a forward pass, per token, less the LM head (at every position). The
-    math attention kernel is plain matmuls (4 T^2 d per layer: Q K^T and A V), which the counter sees."""
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(idx, targets=idx)
-    return counter.get_total_flops() / idx.numel() - 2 * D * V
-
-
-@pytest.mark.parametrize('name', list(VARIANTS))
-def test_flops_per_token_matches_counted_matmuls(name):
-    model = VARIANTS[name]()
-    if name == 'mor':
-        model.train()  # expert choice keeps exactly the capacity schedule (T divisible by N_r)
-    else:
-        model.eval()
-    idx = torch.randint(0, V, (2, 30))
-    assert counted_forward_flops(model, idx) == pytest.approx(model.flops_per_token(30), rel=1e-9)
-    assert model.flops_per_token(30, float(model.mean_train_steps())) > 0  # train.py passes a float mean
 
 
 def test_huginn_backward_flops_do_not_grow_past_backprop_depth():
@@ -240,7 +162,7 @@ def test_rung1_is_the_core_applied_r_times_to_the_embeddings():
     for _ in range(3):
         h = run(model.transformer.core, h)
     torch.testing.assert_close(logits_all(model, idx), head(model, h))
-    assert model.proj is None and not hasattr(model, 'gate')
+    assert not hasattr(model, 'proj') and not hasattr(model, 'gate')
 
 
 @pytest.mark.parametrize('k', [2, 3, 4])
@@ -268,22 +190,54 @@ def test_ladder_flops_add_projection_then_gate():
 
 
 # ---------------------------------------------------------------------------------------------
-# Huginn
+# Huginn (seal-rg/recurrent-pretraining, recpre/model_dynamic.py, RecurrentGPT), written out:
+#   h0 ~ TruncNormal(0, 0.02^2) on [-0.06, 0.06]        initialize_state ('like-init'), eval too
+#   h  = Core(adapter [h ; e])  r times                 core_block_forward (injection 'linear')
+#   logits = head(ln_f(Coda(ln_f(h))))                  iterate_forward returns ln_f(x); ln_f used twice
+#   r = Poisson(tau) + 1, tau ~ LogNormal(log r_mean - sigma^2 / 2, sigma), no cap ('poisson-lognormal-filling')
 
 
-def test_huginn_eval_is_the_adapter_recurrence_from_zeros():
+def huginn_eval_states(T, std=0.02, seed=0):
+    """The eval initial states of positions 0..T-1: one seeded truncated-normal draw per position."""
+    table = torch.empty(S, D)
+    nn.init.trunc_normal_(table, std=std, a=-3 * std, b=3 * std, generator=torch.Generator().manual_seed(seed))
+    return table[:T]
+
+
+def test_huginn_eval_is_the_adapter_recurrence_from_a_seeded_random_state():
     model = huginn(n_recur=4).eval()
     idx = torch.randint(0, V, (2, 12))
     e = run(model.transformer.prelude, embed(model, idx))
-    h = torch.zeros_like(e)
+    h = huginn_eval_states(12).expand(2, 12, D)
+    assert h.abs().max() <= 0.06 and h.std() > 0.01  # random, not zeros
     for _ in range(4):  # eval depth: r_mean
         h = run(model.transformer.core, model.proj(torch.cat([h, e], dim=-1)))
-    torch.testing.assert_close(logits_all(model, idx), head(model, run(model.transformer.coda, h)))
+    reference = head(model, run(model.transformer.coda, model.transformer.ln_f(h)))
+    torch.testing.assert_close(logits_all(model, idx), reference)
+    # the state is normalised before the coda: without it the logits differ
+    assert not torch.allclose(logits_all(model, idx), head(model, run(model.transformer.coda, h)), atol=1e-3)
+
+
+def test_huginn_eval_state_depends_on_position_only():
+    """A token's h0 is its position's seeded draw, whether it comes in a prefill or decoded alone."""
+    model = huginn().eval()
+    states = []
+    initial_state = model.initial_state
+    model.initial_state = lambda e: states.append(initial_state(e)) or states[-1]
+    idx = torch.randint(0, V, (2, 9))
+    model(idx)
+    cache = model.new_kv_cache(9)
+    model(idx[:, :6], kv_cache=cache)
+    for t in range(6, 9):
+        model(idx[:, t:t + 1], kv_cache=cache)
+    torch.testing.assert_close(states[0], huginn_eval_states(9).expand(2, 9, D), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(states[1:], dim=1), states[0], rtol=0, atol=0)
+    assert 'eval_state' not in model.state_dict()  # fixed by the seed, not a weight
 
 
 def test_huginn_backpropagates_through_the_last_k_steps_only():
     """Gradients equal a written-out pass whose first r - k steps are detached from the graph,
-    from a truncated-normal random h0."""
+    from a truncated-normal random h0, with the state normalised before the coda."""
     model = huginn(backprop_depth=2).train()
     idx = torch.randint(0, V, (2, 12))
     torch.manual_seed(9)
@@ -298,9 +252,8 @@ def test_huginn_backpropagates_through_the_last_k_steps_only():
     for step in range(5):
         if step == 3:
             h = h.detach()  # the first 5 - 2 steps carry no gradient
-        u = h + torch.randn_like(h) * 0.0  # rung 4 draws eps_x; Huginn's std is 0
-        h = run(model.transformer.core, model.proj(torch.cat([u, e], dim=-1)))
-    logits = head(model, run(model.transformer.coda, h))
+        h = run(model.transformer.core, model.proj(torch.cat([h, e], dim=-1)))
+    logits = head(model, run(model.transformer.coda, model.transformer.ln_f(h)))
     F.cross_entropy(logits.view(-1, V), idx.view(-1)).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], msg=name)
@@ -312,19 +265,21 @@ def test_huginn_backpropagates_through_the_last_k_steps_only():
 
 
 def test_huginn_depth_distribution():
-    """r = min(Poisson(tau) + 1, 3 r_mean), tau ~ LogNormal(log r_mean - sigma^2 / 2, sigma): keyed by the
+    """r = Poisson(tau) + 1, tau ~ LogNormal(log r_mean - sigma^2 / 2, sigma), unbounded: keyed by the
     caller's generator, and its mean matches an independent numpy simulation."""
     model = huginn(n_recur=8)
     draws = [model.sample_depth(torch.Generator().manual_seed(s)) for s in range(5)]
     assert draws == [model.sample_depth(torch.Generator().manual_seed(s)) for s in range(5)]
     assert all(isinstance(r, int) for r in draws)
     depths = model.draw_depths(40000, torch.Generator().manual_seed(1)).numpy()
-    assert depths.min() >= 1 and depths.max() == 24 and (depths > 16).mean() > 0.01  # heavy tail, capped
+    assert depths.min() >= 1 and depths.max() > 24 and (depths > 16).mean() > 0.01  # heavy tail, no 3 r_mean cap
     rng = np.random.default_rng(0)
     tau = rng.lognormal(math.log(8) - 0.125, 0.5, 200000)
-    reference = np.minimum(rng.poisson(tau) + 1, 24)
+    reference = rng.poisson(tau) + 1
     assert depths.mean() == pytest.approx(reference.mean(), abs=0.06)
     assert model.mean_train_steps() == pytest.approx(reference.mean(), abs=0.06)
+    capped = model.draw_depths(40000, torch.Generator().manual_seed(1), cap=24).numpy()
+    assert capped.max() == 24 and np.minimum(depths, 24).tolist() == capped.tolist()
     # the expected training FLOPs average the truncated backward over this distribution
     expected = np.mean([model.train_flops_per_token(S, int(r)) for r in reference[:5000]])
     assert model.expected_train_flops_per_token(S) == pytest.approx(expected, rel=0.01)
@@ -340,25 +295,33 @@ def test_huginn_trains_with_random_depths_from_none():
 
 
 # ---------------------------------------------------------------------------------------------
-# MoR
+# MoR (raymin0223/mixture_of_recursions, model/mor_model/expert_choice_router.py,
+# MoRLlamaDecoderLayer.forward), written out:
+#   g   = alpha * sigmoid(w_s . h)                        router_func 'sigmoid', router_probs * alpha (0.1)
+#   k_s = max(1, floor(c_s T)), c_s = (N_r - s) / N_r     capacity; c_0 = 1: every token at recursion 0
+#   c_s(t) = c_s + (1 - c_s) (1 + cos(pi min(1, (t+1) / W))) / 2   during the warm-up of W iterations
+#   chosen: h <- h + g * Block(h), Block(h) = h + attn + mlp     scatter_add(total_x, block_out * weights)
+
+
+ALPHA = 0.1
 
 
 def test_mor_training_matches_expert_choice_written_out():
     """Recursion 0 keeps all 8 tokens, recursion 1 the top 4 of each row by router weight, in causal
-    order; chosen tokens get h + g (Core(h) - h) with attention among themselves only."""
+    order; chosen tokens get h + g Core(h), g = alpha sigmoid(w . h), with attention among themselves only."""
     model = mor(n_recur=2).train()
     idx = torch.randint(0, V, (2, 8))
     logits, loss = model(idx, targets=idx)
 
     h = run(model.transformer.prelude, embed(model, idx))
-    g = torch.sigmoid(model.routers[0](h))
-    h = h + g * (run(model.transformer.core, h) - h)
-    g = torch.sigmoid(model.routers[1](h)).squeeze(-1)
+    g = ALPHA * torch.sigmoid(model.routers[0](h))
+    h = h + g * run(model.transformer.core, h)
+    g = ALPHA * torch.sigmoid(model.routers[1](h)).squeeze(-1)
     rows = []
     for b in range(2):
         keep = g[b].argsort(descending=True)[:4].sort().values
         x = h[b, keep][None]
-        x = x + g[b, keep, None] * (run(model.transformer.core, x) - x)
+        x = x + g[b, keep, None] * run(model.transformer.core, x)
         row = h[b].clone()
         row[keep] = x[0]
         rows.append(row)
@@ -369,6 +332,19 @@ def test_mor_training_matches_expert_choice_written_out():
     assert model.router_loss > 0
 
 
+def test_mor_update_adds_the_weighted_block_output_to_the_state():
+    """One recursion at capacity 1 on a state of zeros after a block that returns its input: h' = h + g h."""
+    model = mor(n_recur=2, router_alpha=0.5).train()
+    h = torch.randn(2, 6, D)
+    with torch.no_grad():
+        for block in model.transformer.core:  # residual branches off: Block(h) = h
+            block.attn.c_proj.weight.zero_(), block.attn.c_proj.bias.zero_()
+            block.mlp.c_proj.weight.zero_(), block.mlp.c_proj.bias.zero_()
+    g = 0.5 * torch.sigmoid(model.routers[0](h)).squeeze(-1)
+    out = model.update_chosen(h, g, torch.arange(6).expand(2, 6), [None, None])
+    torch.testing.assert_close(out, h * (1 + g[..., None]))
+
+
 def test_mor_capacity_schedule_is_hierarchical():
     model = mor(n_recur=3).train()
     assert model.sample_depth(torch.Generator()) == 3  # every training pass runs all N_r recursions
@@ -377,6 +353,29 @@ def test_mor_capacity_schedule_is_hierarchical():
     assert [m.sum(dim=1).tolist() for m in masks] == [[30] * 4, [20] * 4, [10] * 4]
     for earlier, later in zip(masks, masks[1:]):
         assert not (later & ~earlier).any()  # a token dropped once stays dropped
+
+
+@pytest.mark.parametrize('iteration', [0, 3, 9, 40, None])
+def test_mor_capacity_warmup_follows_the_cosine(iteration):
+    """capacity_warmup W: c_s(t) = c_s + (1 - c_s)(1 + cos(pi min(1, (t+1)/W)))/2, k = max(1, floor(c T));
+    iteration None (never set) and eval use the targets."""
+    model = mor(n_recur=3, capacity_warmup=10).train()
+    model.set_iteration(iteration)
+    masks = record_routing(model)
+    model(torch.randint(0, V, (2, 30)))
+    expected = []
+    for s in range(3):
+        c = (3 - s) / 3
+        if iteration is not None:
+            c += (1 - c) * 0.5 * (1 + math.cos(math.pi * min(1.0, (iteration + 1) / 10)))
+        expected.append(max(1, math.floor(c * 30 + 1e-9)))
+    assert [m.sum(dim=1).tolist() for m in masks] == [[k] * 2 for k in expected]
+    if iteration in (40, None):
+        assert expected == [30, 20, 10]
+    if iteration == 0:
+        assert expected[2] > 25  # starts near capacity 1
+    model.eval()
+    assert [model.capacity(s) for s in range(3)] == [1.0, 2 / 3, 1 / 3]
 
 
 def test_mor_aux_router_learns_from_detached_states_only():
@@ -395,20 +394,22 @@ def test_mor_aux_router_learns_from_detached_states_only():
 
 
 def test_mor_inference_routes_by_the_auxiliary_router():
-    """Aux router says no at recursion 1: eval runs recursion 0 (all tokens) and nothing else; says yes
-    everywhere: every token passes both recursions."""
+    """Recursion 0 (capacity 1) takes every token even where its auxiliary router says no; recursion 1
+    takes a token where its auxiliary router says yes."""
     model = mor(n_recur=2).eval()
     idx = torch.randint(0, V, (2, 10))
     h0 = run(model.transformer.prelude, embed(model, idx))
-    h = h0 + torch.sigmoid(model.routers[0](h0)) * (run(model.transformer.core, h0) - h0)
+    h = h0 + ALPHA * torch.sigmoid(model.routers[0](h0)) * run(model.transformer.core, h0)
     with torch.no_grad():
-        model.aux_routers[0][-1].bias.fill_(30.0)
+        model.aux_routers[0][-1].bias.fill_(-30.0)  # ignored: capacity 1
         model.aux_routers[1][-1].bias.fill_(-30.0)
     torch.testing.assert_close(logits_all(model, idx), head(model, run(model.transformer.coda, h)))
+    assert model.last_keep_fractions == [1.0, 0.0]
     with torch.no_grad():
         model.aux_routers[1][-1].bias.fill_(30.0)
-    h = h + torch.sigmoid(model.routers[1](h)) * (run(model.transformer.core, h) - h)
+    h = h + ALPHA * torch.sigmoid(model.routers[1](h)) * run(model.transformer.core, h)
     torch.testing.assert_close(logits_all(model, idx), head(model, run(model.transformer.coda, h)))
+    assert model.last_keep_fractions == [1.0, 1.0]
 
 
 def test_mor_mixed_routing_differs_between_tokens_and_rows():
@@ -417,8 +418,26 @@ def test_mor_mixed_routing_differs_between_tokens_and_rows():
     masks = record_routing(model)
     model(torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(4)))
     kept = [m.float().mean().item() for m in masks]
-    assert 0 < kept[1] < 1 and 0 < kept[2] < kept[1]
+    assert kept[0] == 1 and 0 < kept[1] < 1 and 0 < kept[2] < kept[1]
+    assert model.last_keep_fractions == pytest.approx(kept)
     assert masks[1][0].sum() != masks[1][1].sum()  # rows keep different counts: the per-row path
+
+
+def test_mor_eval_flops_from_keep_fractions():
+    """eval_flops_per_token at the training fractions is flops_per_token; at the kept fractions of an
+    eval pass whose rows keep equal counts it equals torch's count of that pass."""
+    model = mor().eval()
+    assert model.eval_flops_per_token(30, [1.0, 2 / 3, 1 / 3]) == model.flops_per_token(30)
+    with torch.no_grad():
+        model.aux_routers[1][-1].bias.fill_(30.0)  # all go on at recursion 1 ...
+        model.aux_routers[2][-1].bias.fill_(-30.0)  # ... and none at recursion 2
+    idx = torch.randint(0, V, (2, 30))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, targets=idx)
+    assert model.last_keep_fractions == [1.0, 1.0, 0.0]
+    counted = counter.get_total_flops() / idx.numel() - 2 * D * V
+    assert counted == pytest.approx(model.eval_flops_per_token(30), rel=1e-9)
+    assert model.flops_per_token(30) < model.eval_flops_per_token(30)
 
 
 def test_mor_cache_holds_only_routed_tokens():
@@ -464,39 +483,3 @@ def test_compile_regions_never_recompile_across_depths(name):
             for T in (30, 23):
                 torch.testing.assert_close(model(idx[:, :T], targets=idx[:, :T])[1],
                                            eager(idx[:, :T], targets=idx[:, :T])[1], atol=1e-5, rtol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# The isoFLOP configs: each variant's training FLOPs per token match the GRT config of its scale
-
-
-def config_model(path):
-    """The model train.py builds from a config file (on the meta device: no memory, no time)."""
-    import train
-    from config import parse_config
-    model_type, args = train.requested_model(parse_config(train.DEFAULTS, [path]), {'vocab_size': 50304})
-    with torch.device('meta'):
-        return build_model(model_type or 'gpt', **args)
-
-
-def train_flops(model, seq_len, draws=2000):
-    """Training FLOPs per token averaged over the depths training draws (estimate_mfu at 1 token/s
-    against a 1 FLOP/s peak is the FLOPs of one trained token)."""
-    gen = torch.Generator().manual_seed(0)
-    return sum(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws)) / draws
-
-
-SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
-
-
-@pytest.mark.parametrize('path, reference, tolerance', [
-    ('config/huginn_small.py', 'config/grt_small.py', 0.01),
-    ('config/mor_small.py', 'config/grt_small.py', 0.03),
-    *[(f'config/shakespeare_char_{name}.py', f'config/shakespeare_char_{ref}.py', 0.03)
-      for name in SHAKESPEARE for ref in ('gpt', 'grt')],
-])
-def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
-    model, grt = config_model(path), config_model(reference)
-    seq_len = grt.config.block_size
-    assert model.config.block_size == seq_len and model.config.n_embd == grt.config.n_embd
-    assert train_flops(model, seq_len) == pytest.approx(train_flops(grt, seq_len), rel=tolerance)

@@ -1,5 +1,6 @@
-"""bench.py: the memory measurement against known allocations, the tiny-scale run and its JSON line,
-and the val loss of each kv_mode through the KV cache."""
+"""bench.py: the memory measurement against known allocations (and the torch internals it reads), the
+tiny-scale run and its JSON line, the val loss of each kv_mode through the KV cache, the training
+MFU, --peer at tiny settings and --gpu_check's refusal and its tiny CPU run."""
 
 import json
 import os
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 import bench
-import model
 import prepare_data
-from test_sample import CHARS, save_checkpoint, tiny_model
+from conftest import CHARS, save_checkpoint, tiny_model
+from kv_cache import KV_MODES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
@@ -31,6 +32,35 @@ def test_cpu_peak_bytes_of_a_known_allocation_pattern():
     assert peak == 9_000_000
     _, peak = bench.cpu_peak_bytes(lambda: torch.ones(3, 1000, dtype=torch.float64).sum())
     assert 24_000 <= peak <= 24_000 + 64  # the tensor, plus the 0-d sum
+
+
+def test_cpu_peak_bytes_fails_loudly_if_the_profiler_internals_change(monkeypatch):
+    """A torch whose profiler lacks kineto_results (or records no memory events) stops the figure with
+    one line naming the function to update, instead of a wrong peak."""
+    class NoKineto:
+        def __init__(self, **kwargs):
+            self.profiler = object()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bench, 'profile', NoKineto)
+    with pytest.raises(bench.TorchInternalsChanged, match='kineto_results.*bench.cpu_peak_bytes'):
+        bench.cpu_peak_bytes(lambda: torch.empty(1000))
+
+
+def test_compiled_graph_count_counts_a_compile_and_a_recompile():
+    torch.compiler.reset()
+    before = bench.compiled_graph_count()
+    f = torch.compile(lambda x: x.sin() + 1, backend='eager', dynamic=False)  # no codegen: fast
+    f(torch.randn(3))
+    f(torch.randn(3))
+    assert bench.compiled_graph_count() - before == 1
+    f(torch.randn(5))  # a new static shape: one recompile
+    assert bench.compiled_graph_count() - before == 2
 
 
 def test_tensor_bytes_counts_tied_weights_once():
@@ -111,30 +141,35 @@ def test_cached_val_loss_per_step_equals_uncached_and_approximations_differ():
     x, y = tokens[:, :-1], tokens[:, 1:]
     logits, _ = m(x, targets=y)
     uncached = torch.nn.functional.cross_entropy(logits[:, 9:].reshape(-1, len(CHARS)), y[:, 9:].reshape(-1))
-    losses = {mode: bench.cached_val_loss(m, tokens, 10, mode) for mode in model.KV_MODES}
+    losses = {mode: bench.cached_val_loss(m, tokens, 10, mode) for mode in KV_MODES}
     assert losses['per_step'] == pytest.approx(uncached.item(), abs=1e-5)
     assert abs(losses['shared'] - losses['per_step']) > 1e-4
     assert abs(losses['mean'] - losses['per_step']) > 1e-4
 
 
 def test_out_dir_reports_val_loss_per_kv_mode(tmp_path, capsys):
+    """best.pt by default, and the val windows come from its train.py config's data_dir and dataset;
+    --ckpt=ckpt.pt reads the latest state and its config."""
     data_dir = tmp_path / 'data'
     os.makedirs(data_dir / 'chars')
     rng = np.random.default_rng(0)
     prepare_data.write_tokens(str(data_dir / 'chars' / 'val.bin'), rng.integers(0, len(CHARS), 5000))
-    out_dir = save_checkpoint(str(tmp_path / 'out'), tiny_model('grt'), 'grt')
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    ckpt = torch.load(ckpt_path, weights_only=False)
-    ckpt['config'] = dict(data_dir=str(data_dir), dataset='chars')
-    torch.save(ckpt, ckpt_path)
-    bench.main([f'--out_dir={out_dir}', '--device=cpu', '--dtype=float32', '--compile=False',
-                '--prompt_len=8', '--new_tokens=4'])
+    out_dir = save_checkpoint(str(tmp_path / 'out'), tiny_model('grt'), 'grt',
+                              config=dict(data_dir=str(data_dir), dataset='chars'))
+    latest = torch.load(os.path.join(out_dir, 'ckpt.pt'), weights_only=False)
+    latest['config'] = dict(data_dir=str(data_dir), dataset='elsewhere')
+    torch.save(latest, os.path.join(out_dir, 'ckpt.pt'))
+    args = [f'--out_dir={out_dir}', '--device=cpu', '--dtype=float32', '--compile=False', '--prompt_len=8',
+            '--new_tokens=4']
+    bench.main(args)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result['scale'] == out_dir
     trained = result['models']['trained']
-    assert set(trained['val_loss']) == set(model.KV_MODES)
+    assert set(trained['val_loss']) == set(KV_MODES)
     # a random model over 62 characters: every loss near ln(62)
     assert all(3.5 < v < 4.7 for v in trained['val_loss'].values())
+    with pytest.raises(SystemExit, match=r'error: validation data .*elsewhere'):
+        bench.main(args + ['--ckpt=ckpt.pt'])
 
 
 def test_train_throughput_steps_the_model_and_gives_a_plausible_mfu():
@@ -143,3 +178,67 @@ def test_train_throughput_steps_the_model_and_gives_a_plausible_mfu():
     tokens_per_s, mfu = bench.train_throughput(m, dict(bench.DEFAULTS, batch_size=2), 'cpu', 'float32', steps=2)
     assert tokens_per_s > 0 and 0 < mfu < 1
     assert not torch.equal(before, m.transformer.core[0].mlp.c_fc.weight)  # AdamW stepped
+
+
+def test_training_mfu_is_train_pys_and_never_above_100_percent(monkeypatch, capsys):
+    """train.py's formula (model.estimate_mfu against common.peak_flops_for in the run's dtype); above
+    100% the CPU peak is measured again, as train.py does, and a figure still above 100% (the peak is
+    wrong) is withheld with a warning."""
+    m = tiny_model('grt')
+    expected = 3 * m.flops_per_token(64, 2.5) * 1000 / 0.5 / 1e11
+    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32', peak_flops=1e11) == pytest.approx(expected)
+    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32', peak_flops=1e9) is None
+    assert 'warning: MFU would be' in capsys.readouterr().err
+    monkeypatch.setattr(bench, 'peak_flops_for', lambda *args: 1e9)  # a peak measured on loaded cores
+    monkeypatch.setattr(bench, 'measure_cpu_peak', lambda dtype, again: 1e11 if again else 1e9)
+    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32') == pytest.approx(expected)
+
+
+def test_peer_at_tiny_settings_gives_the_table_and_json(capsys):
+    result = bench.main(['--peer=True', '--peer_iters=3', '--peer_warmup=1', '--peer_repeats=2',
+                         '--compile=False', '--dtype=float32'])
+    out = capsys.readouterr().out
+    assert 'grt/gpt step' in out and 'avx512_bf16' in out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
+    assert result['mode'] == 'peer' and set(result['cpu_flags']) <= set(bench.CPU_FLAGS)
+    assert result['iters'] == 3 and result['repeats'] == 2
+    assert result['flops_per_token']['gpt'] == 4 * (24 * 128 ** 2 + 4 * 64 * 128)
+    # GRT 1+1x3+1 at its mean training depth 2: 4 block passes, plus W_proj and the gate twice
+    assert result['flops_per_token']['grt'] == result['flops_per_token']['gpt'] + 2 * 10 * 128 ** 2
+    assert list(result['modes']) == ['float32 eager']
+    m = result['modes']['float32 eager']
+    assert len(m['gpt_ms_runs']) == len(m['grt_ms_runs']) == 2
+    assert m['gpt_ms'] > 0 and m['grt_ms'] > 0 and m['step_ratio'] > 0 and m['ratio_per_flop'] > 0
+    assert m['ratio_per_flop'] == pytest.approx(m['step_ratio'] / result['flop_ratio'])
+    assert m['step_ratio_spread'][0] <= m['step_ratio'] <= m['step_ratio_spread'][1]
+
+
+def test_modes_are_refused_together():
+    with pytest.raises(SystemExit, match='error: --peer and --train are separate modes'):
+        bench.main(['--peer=True', '--train=True'])
+
+
+def test_gpu_check_refuses_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    with pytest.raises(SystemExit, match='^error: needs a CUDA GPU'):
+        bench.main(['--gpu_check=True'])
+
+
+def test_gpu_check_runs_tiny_on_cpu(capsys):
+    """The whole check with tiny overrides on CPU: both shipped configs train from the token file it
+    writes, bench.py runs, and the summary's figures are there."""
+    tiny = ['--device=cpu', '--dtype=float32', '--compile=False', '--block_size=32', '--batch_size=2',
+            '--gradient_accumulation_steps=1', '--n_embd=32', '--n_head=2', '--max_iters=4', '--log_interval=2',
+            '--eval_interval=4', '--eval_iters=1']
+    result = bench.run_gpu_check(
+        train_args={'config/gpt2_small.py': [*tiny, '--n_layer=2'], 'config/grt_small.py': [*tiny, '--n_recur=2']},
+        bench_args=['--scale=tiny', '--device=cpu', '--dtype=float32', '--compile=False', '--prompt_len=8',
+                    '--new_tokens=4'], tokens=20_000)
+    out = capsys.readouterr().out
+    assert 'GRT/dense step time' in out
+    assert set(result['train']) == {'gpt2_small', 'grt_small'}
+    for run in result['train'].values():
+        assert run['tokens_per_s'] > 0 and run['val_loss'] > 0
+        assert run['peak_mem_bytes'] is None and run['graphs_compiled'] == run['recompiles'] == 0  # CPU, eager
+    assert result['grt_dense_step_ratio'] > 0
+    assert result['bench']['scale'] == 'tiny'

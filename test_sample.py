@@ -1,4 +1,4 @@
-"""sample.py on tiny checkpoints made here, and the GRT KV-cache modes (model.py) it exposes."""
+"""sample.py on tiny checkpoints made here, and the GRT KV-cache modes (model.py, kv_cache.py) it exposes."""
 
 import os
 import subprocess
@@ -7,37 +7,12 @@ import sys
 import pytest
 import torch
 
-import model
 import sample
+from conftest import CHARS, save_checkpoint, scramble, tiny_model
+from kv_cache import KV_MODES
+from registry import from_checkpoint
 
-CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def tiny_model(model_type='grt', seed=0, **overrides):
-    """A random tiny model. gate_bias=0 makes every recurrence step move the state (at the default
-    +4 the gate keeps ~98% of h, and the steps' keys would be almost equal)."""
-    torch.manual_seed(seed)
-    name = 'tiny-grt' if model_type == 'grt' else 'tiny-gpt'
-    extra = dict(gate_bias=0.0) if model_type == 'grt' else {}
-    _, config = model.preset(name, vocab_size=len(CHARS), **{**extra, **overrides})
-    return model.MODELS[model_type][1](config).eval()
-
-
-def save_checkpoint(out_dir, m, model_type, prefix=''):
-    """A checkpoint in train.py's format (the keys sample.py reads, plus the ones train.py writes)."""
-    os.makedirs(out_dir, exist_ok=True)
-    state = {prefix + k: v for k, v in m.state_dict().items()}
-    ckpt = dict(model_type=model_type, model_args=dict(vars(m.config)), model=state, optimizer={}, scaler={},
-                iter_num=0, best_val_loss=float('inf'), config={},
-                meta={'tokenizer': 'char', 'vocab_size': len(CHARS), 'chars': CHARS})
-    torch.save(ckpt, os.path.join(out_dir, 'ckpt.pt'))
-    return out_dir
-
-
-@pytest.fixture(scope='module')
-def grt_dir(tmp_path_factory):
-    return save_checkpoint(str(tmp_path_factory.mktemp('grt')), tiny_model('grt'), 'grt')
 
 
 def run_sample(capsys, *args):
@@ -56,17 +31,36 @@ def test_same_seed_same_text_and_different_seed_differs(grt_dir, capsys):
     assert len(body) == len('ROMEO:') + 30  # one char per token
 
 
+def sampled_text(m, start, seed, max_new_tokens=30, **kwargs):
+    """What sample.py should print for one sample: model.generate from the same seed and settings."""
+    stoi = {ch: i for i, ch in enumerate(CHARS)}
+    torch.manual_seed(seed)
+    idx = m.generate(torch.tensor([[stoi[ch] for ch in start]]), max_new_tokens, **kwargs)
+    return ''.join(CHARS[i] for i in idx[0].tolist())
+
+
 def test_streamed_text_is_the_generated_tokens(grt_dir, capsys):
     """What sample.py prints equals model.generate on the same checkpoint, seed and settings."""
     out = run_sample(capsys, f'--out_dir={grt_dir}', '--start=KING', '--seed=3', '--temperature=1.0',
                      '--top_k=5', '--num_steps=3', '--kv_mode=mean').out
-    ckpt = torch.load(os.path.join(grt_dir, 'ckpt.pt'), weights_only=False)
-    m = model.from_checkpoint(ckpt).eval()
-    stoi = {ch: i for i, ch in enumerate(CHARS)}
-    torch.manual_seed(3)
-    idx = m.generate(torch.tensor([[stoi[ch] for ch in 'KING']]), 30, temperature=1.0, top_k=5,
-                     num_steps=3, kv_mode='mean')
-    assert out.split('\n---------------')[0] == ''.join(CHARS[i] for i in idx[0].tolist())
+    m = from_checkpoint(torch.load(os.path.join(grt_dir, 'best.pt'), weights_only=False)).eval()
+    expected = sampled_text(m, 'KING', 3, temperature=1.0, top_k=5, num_steps=3, kv_mode='mean')
+    assert out.split('\n---------------')[0] == expected
+
+
+def test_best_pt_by_default_and_the_latest_with_ckpt(tmp_path, capsys):
+    """best.pt (best val loss) is the default; --ckpt=ckpt.pt picks the latest state."""
+    best, latest = scramble(tiny_model('grt'), seed=1), scramble(tiny_model('grt'), seed=2)
+    out_dir = save_checkpoint(str(tmp_path / 'run'), best, 'grt', latest=latest)
+    args = (f'--out_dir={out_dir}', '--start=KING', '--temperature=0')
+    printed = lambda *extra: run_sample(capsys, *args, *extra).out.split('\n---------------')[0]
+    assert printed() == printed('--ckpt=best.pt') == sampled_text(best, 'KING', 0, temperature=0)
+    assert printed('--ckpt=ckpt.pt') == sampled_text(latest, 'KING', 0, temperature=0)
+    assert sampled_text(best, 'KING', 0, temperature=0) != sampled_text(latest, 'KING', 0, temperature=0)
+    assert f"sampling from {os.path.join(out_dir, 'best.pt')} (iteration 100, val loss 2.5000)" in \
+        run_sample(capsys, *args).err
+    assert f"sampling from {os.path.join(out_dir, 'ckpt.pt')} (iteration 200)" in \
+        run_sample(capsys, *args, '--ckpt=ckpt.pt').err
 
 
 def test_cli_runs_and_loads_compiled_checkpoint(tmp_path):
@@ -82,11 +76,12 @@ def test_cli_runs_and_loads_compiled_checkpoint(tmp_path):
 
 @pytest.mark.parametrize('model_type', ['gpt', 'grt'])
 def test_greedy_tokens_with_cache_equal_without(model_type):
-    m = tiny_model(model_type)
+    m = scramble(tiny_model(model_type))
     idx = torch.randint(len(CHARS), (2, 7))
     cached = m.generate(idx, 40, temperature=0)
     uncached = m.generate(idx, 40, temperature=0, use_cache=False)
     assert torch.equal(cached, uncached)
+    assert len(set(cached[0, 7:].tolist())) > 2  # a real test: not one repeated token
     # past block_size (64) the window slides and the cache is rebuilt: still equal
     long_cached = m.generate(idx, 70, temperature=0)
     assert torch.equal(long_cached, m.generate(idx, 70, temperature=0, use_cache=False))
@@ -116,14 +111,14 @@ def test_kv_modes_per_step_exact_shared_and_mean_approximate():
     m = tiny_model('grt')
     x = torch.randint(len(CHARS), (2, 40))
     exact, _ = m(x, targets=x)
-    got = {mode: teacher_forced_logits(m, x, 10, mode) for mode in model.KV_MODES}
-    for mode in model.KV_MODES:  # a prefilled chunk is exact within itself in every mode
+    got = {mode: teacher_forced_logits(m, x, 10, mode) for mode in KV_MODES}
+    for mode in KV_MODES:  # a prefilled chunk is exact within itself in every mode
         torch.testing.assert_close(got[mode][:, :10], exact[:, :10], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got['per_step'], exact, atol=1e-5, rtol=1e-5)
     # the approximations change the function after the prompt, and differently from each other
     for a, b in [('shared', 'per_step'), ('mean', 'per_step'), ('shared', 'mean')]:
         assert (got[a][:, 10:] - got[b][:, 10:]).abs().max() > 1e-3, (a, b)
-    for mode in model.KV_MODES:  # and each one generates, at another depth too
+    for mode in KV_MODES:  # and each one generates, at another depth too
         out = m.generate(x[:, :5], 20, temperature=1.0, top_k=10, num_steps=2, kv_mode=mode)
         assert out.shape == (2, 25)
 
@@ -161,7 +156,7 @@ def test_kv_mode_is_refused_where_it_does_not_apply():
 
 
 def test_clear_errors(grt_dir, tmp_path, capsys):
-    with pytest.raises(SystemExit, match=r'error: no checkpoint at .*ckpt\.pt'):
+    with pytest.raises(SystemExit, match=r'error: no checkpoint at .*nothing/best\.pt.*--ckpt=ckpt\.pt'):
         run_sample(capsys, f'--out_dir={tmp_path / "nothing"}')
     with pytest.raises(SystemExit, match=r"error: .*'#'.*change --start"):
         run_sample(capsys, f'--out_dir={grt_dir}', '--start=to be # not')

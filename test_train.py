@@ -1,7 +1,10 @@
 """
 Tests for train.py on tiny generated data: losses fall, resume is exact, DDP (gloo, 2 processes)
-matches a single process, bad configs and checkpoints are refused, interrupts and NaNs lose nothing.
-Most runs call train.main(argv) in-process; torchrun and Ctrl-C run as subprocesses.
+matches a single process, bad configs and checkpoints are refused, interrupts and NaNs lose nothing,
+ckpt.pt and best.pt each mean one thing, the run says what it is doing, and the start-up helpers
+(CPU peak, MFU, dtype warning, memory estimate, compile='auto') hold. Most runs call
+train.main(argv) in-process; torchrun and Ctrl-C run as subprocesses. No test depends on how fast
+the machine is.
 """
 
 import glob
@@ -17,13 +20,25 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import train
 from config import parse_config
-from model import build_model
 from prepare_data import write_tokens
+from registry import build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 16
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from a second thread, and on a loaded machine a thread waiting at
+    every op's barrier makes these runs several times slower (torchrun's processes get
+    OMP_NUM_THREADS=1 too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope='module')
@@ -69,7 +84,9 @@ def without_timing(rows):
 def run_error(argv):
     with pytest.raises(SystemExit) as e:
         train.main(argv)
-    return str(e.value.code)
+    message = str(e.value.code)
+    assert message.startswith('error: ') and '\n' not in message, message  # every error: one line
+    return message
 
 
 # -----------------------------------------------------------------------------
@@ -91,11 +108,15 @@ def test_training_lowers_the_loss(data_root, tmp_path, model):
     checkpoint = torch.load(os.path.join(tmp_path, 'ckpt.pt'), weights_only=False)
     assert checkpoint['iter_num'] == 40 and checkpoint['model_type'] == model
     assert {'model_args', 'model', 'optimizer', 'scaler', 'best_val_loss', 'config', 'meta',
-            'rng_states'} <= set(checkpoint)
+            'rng_states', 'tokens', 'time_s'} <= set(checkpoint)
     assert set(checkpoint['rng_states']) >= {'torch', 'numpy', 'python', 'data', 'depth'}
     assert checkpoint['meta']['chars'] == 'abcdefghijklmnop'
     assert not any(k.startswith('_orig_mod.') for k in checkpoint['model'])
     assert checkpoint['model_args']['vocab_size'] == VOCAB  # from meta.json
+    best = torch.load(os.path.join(tmp_path, 'best.pt'), weights_only=False)
+    assert set(best) == {'model_type', 'model_args', 'model', 'meta', 'config', 'iter_num', 'val_loss'}
+    assert best['iter_num'] == 40 and best['val_loss'] == result['val_loss'] == result['best_val_loss']
+    assert all(torch.equal(best['model'][k], checkpoint['model'][k]) for k in checkpoint['model'])
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(data_root, tmp_path):
@@ -127,7 +148,7 @@ def test_two_process_gloo_run_matches_one_process(data_root, tmp_path):
     args = tiny_args(data_root, tmp_path / 'ddp', 'gpt', gradient_accumulation_steps=2, max_iters=4, eval_interval=4)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           'train.py', *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=180)
+                           'train.py', *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '2 process(es)' in proc.stdout
     checkpoint = torch.load(tmp_path / 'ddp' / 'ckpt.pt', weights_only=False)
@@ -144,11 +165,13 @@ def test_ctrl_c_saves_and_resume_rewrites_the_log(data_root, tmp_path):
     proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     log_path = tmp_path / 'log.jsonl'
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log_path.exists() and log_path.read_text().count('\n') >= 3):
+    deadline = time.time() + 600  # only against a hang: a loaded machine may take minutes
+    while proc.poll() is None and time.time() < deadline and not (
+            log_path.exists() and log_path.read_text().count('\n') >= 3):
         time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[0][-2000:]
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, out[-2000:]
     assert 'continue with --init_from=resume' in out
     saved = torch.load(tmp_path / 'ckpt.pt', weights_only=False)['iter_num']
@@ -177,6 +200,10 @@ def test_bad_config_and_mismatched_checkpoint_are_refused(data_root, tmp_path):
     assert "'n_layer' must be int" in message
     message = run_error(tiny_args(data_root, tmp_path, 'gpt', n_recur=4))
     assert 'n_recur' in message and "model_type 'gpt'" in message
+    message = run_error(tiny_args(data_root, tmp_path, 'gpt', always_save_checkpoint=True))
+    assert "unknown config key 'always_save_checkpoint'" in message  # ckpt.pt is written at every evaluation
+    message = run_error(tiny_args(data_root, tmp_path, 'gpt', compile='sometimes'))
+    assert "compile must be True, False or 'auto'" in message
     train.main(tiny_args(data_root, tmp_path, 'gpt', max_iters=1, eval_interval=1))
     message = run_error(tiny_args(data_root, tmp_path, 'gpt', n_layer=3, n_embd=48, init_from='resume'))
     assert 'n_layer (checkpoint 2, config 3)' in message and 'n_embd (checkpoint 32, config 48)' in message
@@ -218,6 +245,155 @@ def test_learning_rate_schedule():
     assert train.get_lr(10, c) == pytest.approx(1.0)
     assert train.get_lr(60, c) == pytest.approx(0.55)  # halfway through the cosine
     assert train.get_lr(110, c) == train.get_lr(150, c) == 0.1
+
+
+def test_ckpt_is_the_latest_state_and_best_the_best_weights(data_root, tmp_path, monkeypatch):
+    """With learning rate 0 the val loss never improves after the first evaluation: best.pt is written
+    once, ckpt.pt at every evaluation (and at max_iters), and resume reads ckpt.pt."""
+    saved = []
+    real_save = train.save_checkpoint
+    def save(path, checkpoint):
+        saved.append((os.path.basename(path), checkpoint['iter_num']))
+        real_save(path, checkpoint)
+    monkeypatch.setattr(train, 'save_checkpoint', save)
+    args = dict(max_iters=12, eval_interval=4, learning_rate=0.0, min_lr=0.0)
+    train.main(tiny_args(data_root, tmp_path, 'gpt', **args))
+    assert saved == [('best.pt', 4), ('ckpt.pt', 4), ('ckpt.pt', 8), ('ckpt.pt', 12)]
+    best = torch.load(tmp_path / 'best.pt', weights_only=False)
+    assert best['iter_num'] == 4 and 'optimizer' not in best
+    assert best['val_loss'] == torch.load(tmp_path / 'ckpt.pt', weights_only=False)['best_val_loss']
+    os.remove(tmp_path / 'best.pt')  # resume needs only ckpt.pt
+    result = train.main(tiny_args(data_root, tmp_path, 'gpt', **{**args, 'max_iters': 16}, init_from='resume'))
+    assert result['iter_num'] == 16 and saved[-1] == ('ckpt.pt', 16)
+
+
+def test_the_run_says_what_it_does_and_prints_the_result_once(data_root, tmp_path, capsys):
+    train.main(tiny_args(data_root, tmp_path, 'grt', compile='auto'))
+    out = capsys.readouterr().out
+    assert "compile='auto': off on cpu" in out and 'compile=False' in out
+    assert 'memory per device (analytic, micro-batch 4 x 16)' in out and '5 block passes' in out
+    assert out.count('iter 4: train loss') == 1 and out.count('iter 8: train loss') == 1
+    tail = out[out.index('iter 4: train loss'):]
+    assert tail.index('evaluating') < tail.index('iter 8: train loss') < tail.index('saving') < tail.index('done:')
+    assert out.count('done:') == 1 and str(tmp_path / 'best.pt') in out.splitlines()[-1]
+
+
+# -----------------------------------------------------------------------------
+# Start-up: the CPU's peak and MFU, the bf16 warning, the memory estimate, compile='auto'
+
+
+def fake_linear_timer(flops_per_s, calls):
+    """A stand-in for common._time_linear on a CPU of the given rate: no clock involved."""
+    def time_linear(n, dtype, repeats):
+        calls.append((n, dtype))
+        return 2 * n ** 3 / flops_per_s
+    return time_linear
+
+
+@pytest.mark.parametrize('rate', [1e9, 1e11, 1e14])  # emulated bf16, a laptop's fp32, beyond max_n
+def test_cpu_peak_grows_its_size_within_the_time_budget(monkeypatch, rate):
+    calls = []
+    monkeypatch.setattr(common, '_time_linear', fake_linear_timer(rate, calls))
+    monkeypatch.setattr(common, '_cpu_peak_cache', {})
+    peak = common.measure_cpu_peak(torch.bfloat16, budget_s=1.0, max_n=4096, repeats=3)
+    assert peak == pytest.approx(rate)
+    sizes = [n for n, _ in calls]
+    assert sizes[0] == 128 and sizes == [128 * 2 ** i for i in range(len(sizes))] and sizes[-1] <= 4096
+    assert sum(4 * 2 * n ** 3 / rate for n in sizes) <= 1.0 or sizes == [128]  # 4 products a size
+    if rate == 1e9:
+        assert sizes[-1] <= 512  # never the 2048^3 products that took 20 s each
+    if rate == 1e14:
+        assert sizes[-1] == 4096
+    assert {dtype for _, dtype in calls} == {torch.bfloat16}
+
+
+def test_peak_flops_are_measured_in_the_runs_dtype(monkeypatch):
+    calls = []
+    monkeypatch.setattr(common, '_time_linear', fake_linear_timer(1e10, calls))
+    monkeypatch.setattr(common, '_cpu_peak_cache', {})
+    assert common.peak_flops_for('cpu', torch.float32, 0.0) == pytest.approx(1e10)
+    assert common.peak_flops_for('cpu', torch.bfloat16, 0.0) == pytest.approx(1e10)
+    assert [dtype for _, dtype in calls][0] == torch.float32 and calls[-1][1] == torch.bfloat16
+    n = len(calls)
+    common.peak_flops_for('cpu', torch.float32, 0.0)
+    assert len(calls) == n  # measured once per dtype and process
+    assert common.peak_flops_for('cpu', torch.float32, 5e12) == 5e12  # --peak_flops wins
+
+
+def test_real_cpu_peak_is_positive_and_plausible():
+    peak = common.measure_cpu_peak(torch.float32, budget_s=0.5, max_n=512)
+    assert 1e7 < peak < 1e15
+
+
+def test_mfu_of_a_run_is_between_0_and_1(data_root, tmp_path, monkeypatch):
+    """MFU is against the peak measured in the run's dtype. A peak measured while other work loads
+    the cores comes out too low, so a run faster than it measures again; here the first measurement
+    says 1 MFLOP/s (any real run beats it) and later ones 100 GFLOP/s (no 32-wide model reaches it)."""
+    calls = []
+    rates = iter([1e6] + [1e11] * 1000)  # at 1 MFLOP/s the first size (n = 128) spends the time budget
+    def time_linear(n, dtype, repeats):
+        calls.append(dtype)
+        return 2 * n ** 3 / next(rates)
+    monkeypatch.setattr(common, '_time_linear', time_linear)
+    monkeypatch.setattr(common, '_cpu_peak_cache', {})
+    train.main(tiny_args(data_root, tmp_path, 'grt', peak_flops=0.0))
+    mfus = [r['mfu'] for r in read_log(tmp_path)]
+    assert all(0 < m <= 1 for m in mfus), mfus
+    assert set(calls) == {torch.float32} and common._cpu_peak_cache[torch.float32] == pytest.approx(1e11)
+
+
+def test_an_mfu_above_100_percent_is_withheld_with_a_warning(data_root, tmp_path, capsys):
+    """--peak_flops=1e6 (1 MFLOP/s, below any real run's rate) is a wrong peak: no MFU is shown,
+    one warning says why."""
+    train.main(tiny_args(data_root, tmp_path, 'gpt', peak_flops=1e6))
+    assert all(r['mfu'] is None for r in read_log(tmp_path))
+    assert capsys.readouterr().err.count('warning: MFU would be') == 1
+
+
+def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(monkeypatch, capsys):
+    monkeypatch.setattr(common, 'cpu_has_native_bf16', lambda: False)
+    assert common.pick_dtype('bfloat16', 'cpu') == 'bfloat16'
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith('warning: this CPU has no native bf16') and '--dtype=float32' in err
+    assert common.pick_dtype('auto', 'cpu') == 'float32'
+    assert common.pick_dtype('bfloat16', 'cpu', warn=False) == 'bfloat16'  # DDP ranks other than 0
+    assert common.pick_dtype('float32', 'cpu') == 'float32'
+    assert capsys.readouterr().err == ''
+    monkeypatch.setattr(common, 'cpu_has_native_bf16', lambda: True)
+    assert common.pick_dtype('bfloat16', 'cpu') == 'bfloat16' and common.pick_dtype('auto', 'cpu') == 'bfloat16'
+    assert capsys.readouterr().err == ''
+
+
+@pytest.mark.parametrize('model', ['gpt', 'grt'])
+def test_memory_estimate_against_an_independent_count(model):
+    B, T, d, a, V = 4, 16, 32, 2, VOCAB
+    if model == 'gpt':
+        net, passes = build_model('gpt', n_layer=2, n_embd=d, n_head=a, block_size=T, vocab_size=V), 2
+        params = V * d + T * d + 2 * (12 * d * d + 13 * d) + 2 * d  # wte, wpe, 2 blocks, ln_f
+    else:
+        net = build_model('grt', n_prelude=1, n_core=1, n_recur=3, n_coda=1, n_embd=d, n_head=a, block_size=T,
+                          vocab_size=V)
+        passes = 1 + 1 * 3 + 1
+        step = (2 * d * d + d) + 2 * (2 * d) + (2 * d * d + d) + (d * d + d)  # W_proj, ln_h + ln_e, f_g
+        params = V * d + T * d + 3 * (12 * d * d + 13 * d) + 2 * d + step
+    est = train.memory_estimate(net, B, T, 'float32')
+    assert est['weights'] == 4 * params and est['grads'] == 4 * params and est['optimizer'] == 8 * params
+    assert est['block_passes'] == passes
+    assert est['activations'] == passes * 66 * B * T * d + B * T * V * 8
+    est = train.memory_estimate(net, B, T, 'bfloat16', attention_matrix=True)
+    assert est['activations'] == passes * (34 * B * T * d + 5 * B * a * T * T) + B * T * V * 6
+    assert est['total'] == 16 * params + est['activations']
+
+
+def test_compile_auto_turns_off_where_it_loses():
+    assert train.resolve_compile(None, 'cuda', 768) == (True, None)
+    assert train.resolve_compile('auto', 'cuda', 768) == (True, None)
+    on, why = train.resolve_compile('auto', 'cpu', 768)
+    assert not on and "off on cpu" in why and '--compile=True' in why
+    on, why = train.resolve_compile('auto', 'cuda', 128)
+    assert not on and 'n_embd=128' in why
+    assert train.resolve_compile(True, 'cpu', 32) == (True, None)  # True and False force it
+    assert train.resolve_compile(False, 'cuda', 768) == (False, None)
 
 
 PAPER_CONFIGS = ['gpt2_small', 'gpt2_medium', 'gpt2_large', 'grt_small', 'grt_medium', 'grt_large',

@@ -11,21 +11,23 @@ both and refuses unknown keys). The model is `model_type` ('gpt', 'grt', ...) wi
 (n_layer, n_embd, n_recur, ...), or a named `preset` from model.py with fields overriding it; the
 vocabulary size comes from the dataset's meta.json unless a config sets it.
 
+out_dir receives log.jsonl (a line every log_interval iterations), ckpt.pt (the latest state, for
+--init_from=resume: written at every evaluation, at max_iters and on Ctrl-C) and best.pt (the
+weights with the best val loss so far, which sample.py and bench.py load by default).
+
 Every micro-step's randomness is a function of (seed, iteration, micro-step): the recurrence depth r
 (the same on every DDP rank), the training batch (different on every rank) and the dropout / GRT
 noise. So a resumed run repeats the uninterrupted one exactly, and evaluation, which draws its own
 fixed batches, never shifts the training stream.
 """
 
-import hashlib
 import json
 import math
 import os
 import random
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -35,19 +37,22 @@ from tqdm import tqdm
 
 import prepare_data
 from config import ConfigError, parse_config
-from model import GPT, MODELS, PRESETS, build_model, from_checkpoint
+from common import (Batches, autocast_context, fail, measure_cpu_peak, peak_flops_for, pick_device,
+                    pick_dtype, rng_key)
+from model import GPT
+from registry import MODELS, PRESETS, build_model, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
 # Settings (every key a config file or --key=value may set)
 
 TRAIN_DEFAULTS = dict(
     # I/O
-    out_dir='out',
-    eval_interval=1000,  # evaluate (and maybe checkpoint) every this many iterations, and at max_iters
+    out_dir='out',  # log.jsonl, ckpt.pt (the latest state, for resume) and best.pt (the best val loss)
+    eval_interval=1000,  # evaluate and write ckpt.pt (and best.pt if val loss improved) every this many
+                         # iterations and at max_iters; Ctrl-C writes ckpt.pt too
     eval_iters=100,  # batches per split and evaluation, split across DDP ranks
     log_interval=10,  # log.jsonl line and progress-bar update every this many iterations
     eval_only=False,  # evaluate once and exit
-    always_save_checkpoint=False,  # checkpoint at every evaluation, not only when val loss improves
     init_from='scratch',  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', ...
     # data
     dataset='fineweb10B',
@@ -71,103 +76,13 @@ TRAIN_DEFAULTS = dict(
     # system
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
-    compile=True,  # torch.compile by regions: every block once, never the whole model
+    compile=None,  # True / False; None or 'auto': compile only on CUDA at n_embd >= 256, where it pays.
+                   # torch.compile by regions: every block once, never the whole model
     seed=1337,
     peak_flops=0.0,  # per-device peak for MFU; 0 = measured (CPU) or the datasheet figure (CUDA)
 )
 MODEL_FIELDS = sorted({f.name for config_class, _ in MODELS.values() for f in fields(config_class)})
 DEFAULTS = {**TRAIN_DEFAULTS, **{name: None for name in MODEL_FIELDS}}
-
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), matched against the device name
-# in this order; set peak_flops for any other GPU.
-GPU_PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('GH200', 989e12),
-                  ('A100', 312e12), ('L40S', 362e12), ('L4', 121e12), ('A10', 125e12), ('V100', 125e12)]
-
-
-def fail(message):
-    sys.exit(f"error: {message}")
-
-
-# -----------------------------------------------------------------------------
-# Devices, precision, randomness
-
-
-def pick_device(name, local_rank):
-    if name != 'auto':
-        return name
-    if torch.cuda.is_available():
-        return f'cuda:{local_rank}'
-    if torch.backends.mps.is_available():
-        return 'mps'
-    return 'cpu'
-
-
-def cpu_has_native_bf16():
-    """bf16 arithmetic in hardware (AVX-512 BF16 or AMX on x86, the BF16 extension on Arm): only then
-    is CPU autocast faster than fp32; elsewhere it is emulated and slower."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16'})
-
-
-def pick_dtype(name, device_type):
-    if name == 'auto':
-        if device_type == 'cuda':
-            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
-        return 'bfloat16' if device_type == 'cpu' and cpu_has_native_bf16() else 'float32'
-    if name not in ('float32', 'bfloat16', 'float16'):
-        fail(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
-    if name == 'float16' and device_type != 'cuda':
-        fail("dtype=float16 needs CUDA (it trains with a GradScaler); use --dtype=bfloat16 or --dtype=float32")
-    return name
-
-
-def autocast_context(device_type, dtype):
-    """Mixed precision: autocast to bf16/fp16, nothing for fp32 (train.py, sample.py and bench.py)."""
-    if dtype == 'float32':
-        return nullcontext()
-    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-
-
-def rng_key(*parts):
-    """A 63-bit seed from any tuple of values, e.g. (seed, 'data', rank, iteration, micro_step)."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), 'little') >> 1
-
-
-_cpu_peak_cache = {}
-
-
-def measure_cpu_peak(dtype, n=2048, repeats=5):
-    """FLOP/s of one large matmul in the training dtype, best of a few: the CPU's practical peak."""
-    if dtype not in _cpu_peak_cache:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm up
-        best = float('inf')
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-        _cpu_peak_cache[dtype] = 2 * n ** 3 / best
-    return _cpu_peak_cache[dtype]
-
-
-def peak_flops_for(device, ptdtype, override):
-    if override > 0:
-        return override
-    if device.startswith('cuda'):
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
-            if key in name:
-                return flops
-        print(f"note: no datasheet peak for {name}; MFU is against A100's 312 TFLOPS, set --peak_flops=...")
-        return 312e12
-    if device == 'cpu':
-        return measure_cpu_peak(ptdtype)
-    return 0.0  # mps: unknown, MFU not shown
-
 
 # -----------------------------------------------------------------------------
 # Data: random windows from memory-mapped token files, drawn by a seeded generator
@@ -192,30 +107,6 @@ def load_dataset(data_root, dataset, master):
     except ValueError as e:
         fail(e)
     return splits['train'], splits['val'], meta
-
-
-class Batches:
-    """Windows of block_size + 1 tokens at uniformly random positions over all shards (a shard is
-    picked in proportion to its windows, then an offset in it), nanoGPT-style from np.memmap."""
-
-    def __init__(self, shards, block_size, batch_size, device):
-        self.shards, self.block_size, self.batch_size, self.device = shards, block_size, batch_size, device
-        self.windows = torch.tensor([len(s) - block_size for s in shards], dtype=torch.float64)
-        if self.windows.max() < 1:
-            fail(f"the data holds at most {int(self.windows.max()) + block_size} tokens a file, too few for "
-                 f"block_size {block_size}; use a smaller block_size or more data")
-        self.windows.clamp_(min=0)
-
-    def get(self, generator):
-        ids = torch.multinomial(self.windows, self.batch_size, replacement=True, generator=generator)
-        offsets = (torch.rand(self.batch_size, generator=generator, dtype=torch.float64) * self.windows[ids]).long()
-        rows = np.stack([self.shards[i][o:o + self.block_size + 1] for i, o in zip(ids.tolist(), offsets.tolist())])
-        batch = torch.from_numpy(rows.astype(np.int64))
-        if self.device.startswith('cuda'):
-            batch = batch.pin_memory().to(self.device, non_blocking=True)  # overlaps with the GPU's work
-        else:
-            batch = batch.to(self.device)
-        return batch[:, :-1], batch[:, 1:]
 
 
 # -----------------------------------------------------------------------------
@@ -303,7 +194,7 @@ def init_model(config, meta, ckpt_path):
 
 
 # -----------------------------------------------------------------------------
-# Schedule, checkpoints, log
+# Schedule, memory, compile, checkpoints, log
 
 
 def get_lr(it, c):
@@ -319,8 +210,80 @@ def get_lr(it, c):
     return c['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c['learning_rate'] - c['min_lr'])
 
 
+def stored_block_passes(model):
+    """Block passes whose activations backward keeps, at the deepest training pass: n_layer for a
+    dense model; n_prelude + n_core * R + n_coda for a recurrent one (training draws r up to R;
+    Huginn keeps only its last backprop_depth steps)."""
+    c = model.config
+    if not hasattr(model, 'num_block_passes'):
+        return c.n_layer
+    return model.num_block_passes(getattr(c, 'backprop_depth', c.n_recur))
+
+
+def memory_estimate(model, batch_size, block_size, dtype, attention_matrix=False):
+    """Analytic training memory per device, in bytes, for a micro-batch of batch_size x block_size:
+
+      weights      the parameters as stored (fp32: autocast computes in 16-bit, keeps fp32 weights)
+      grads        the same again
+      optimizer    AdamW's two moments, the same again twice
+      activations  stored_block_passes(model) x per pass, plus the logits:
+                   per block pass 34 B T d + 5 B a T^2 bytes in 16-bit (Korthikanti et al. 2022,
+                   "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1, no
+                   parallelism; d = n_embd, a = n_head); in fp32 every 2-byte value takes 4 and the
+                   dropout masks stay 1 byte: 66 B T d + 9 B a T^2. The a T^2 term is the attention
+                   matrix: counted only with attention_matrix=True (compiled CPU training writes
+                   attention out); F.scaled_dot_product_attention's fused kernels, used otherwise,
+                   do not store it. Logits: B T V x (2 or 4 bytes + 4 for the fp32 log-softmax that
+                   cross_entropy keeps).
+
+    Not counted: GRT's W_proj and gate (about 10 B T d values a step), the embeddings' output,
+    temporaries, the CUDA context and allocator slack (together typically 1-3 GB on a GPU)."""
+    c = model.config
+    B, T, d, a, V = batch_size, block_size, c.n_embd, c.n_head, c.vocab_size
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    half = dtype in ('bfloat16', 'float16')
+    per_pass = (34 if half else 66) * B * T * d + (((5 if half else 9) * B * a * T * T) if attention_matrix else 0)
+    passes = stored_block_passes(model)
+    activations = passes * per_pass + B * T * V * ((2 if half else 4) + 4)
+    total = weights + weights + 2 * weights + activations
+    return dict(weights=weights, grads=weights, optimizer=2 * weights, activations=activations,
+                block_passes=passes, total=total)
+
+
+def describe_memory(est, device, batch_size, block_size):
+    """One line of memory_estimate in GiB, against this GPU's memory or the 80 GB the paper configs assume."""
+    gib = 2 ** 30
+    if device.startswith('cuda'):
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        against = f"this GPU has {capacity / gib:.1f} GiB"
+    else:
+        capacity = 80e9
+        against = f"an 80 GB GPU, as the paper configs assume, has {capacity / gib:.1f} GiB"
+    return (f"memory per device (analytic, micro-batch {batch_size} x {block_size}): weights "
+            f"{est['weights'] / gib:.2f} + grads {est['grads'] / gib:.2f} + AdamW {est['optimizer'] / gib:.2f} + "
+            f"activations {est['activations'] / gib:.2f} ({est['block_passes']} block passes) = "
+            f"{est['total'] / gib:.2f} GiB ({against})"), est['total'] > capacity
+
+
+def resolve_compile(setting, device_type, n_embd):
+    """(compile or not, a line saying why 'auto' turned it off, else None). compile=True or False
+    forces it; 'auto' (or None, the default) compiles only on CUDA with n_embd >= 256: on a CPU,
+    and for narrow models, compiling (a minute or more) costs more than it saves."""
+    if setting is True or setting is False:
+        return setting, None
+    if setting not in (None, 'auto'):
+        fail(f"compile must be True, False or 'auto', got {setting!r}")
+    if device_type != 'cuda':
+        return False, (f"compile='auto': off on {device_type}, where compiling costs more than it saves; "
+                       f"--compile=True forces it")
+    if n_embd < 256:
+        return False, (f"compile='auto': off at n_embd={n_embd} (< 256), where compiling costs more than it "
+                       f"saves; --compile=True forces it")
+    return True, None
+
+
 def save_checkpoint(path, checkpoint):
-    """Write to a temporary file, then rename: a crash or Ctrl-C mid-write never leaves a torn ckpt.pt."""
+    """Write to a temporary file, then rename: a crash or Ctrl-C mid-write never leaves a torn file."""
     tmp = path + '.tmp'
     try:
         with open(tmp, 'wb') as f:
@@ -368,7 +331,377 @@ def restore_rng_states(states, data_gen, depth_gen):
 
 
 # -----------------------------------------------------------------------------
+# Setup: what training builds once, and what it has done so far
+
+
+@dataclass
+class Run:
+    """Everything setup() builds, fixed while training runs."""
+    c: dict  # the config
+    ddp: bool
+    rank: int
+    world: int  # processes
+    device: str
+    dtype: str
+    autocast: object  # the mixed-precision context of every forward pass
+    accum: int  # this rank's micro-steps per iteration
+    model: torch.nn.Module
+    trained: torch.nn.Module  # what the training step calls: the model, or its DDP wrapper
+    model_type: str
+    meta: dict  # the dataset's meta.json, stored in checkpoints for sample.py
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batches: dict  # 'train', 'val' -> Batches
+    data_gen: torch.Generator  # reseeded for every batch: (seed, iteration, global micro-step)
+    depth_gen: torch.Generator  # reseeded for every micro-step: (seed, iteration, micro-step), rank-free
+    block_size: int
+    tokens_per_iter: int  # over all ranks
+    compiled: bool
+    peak: float = 0.0  # per-device peak FLOP/s for MFU (rank 0 only); 0 = not shown
+    peak_remeasured: int = 0  # times the CPU's peak was measured again (see log_record)
+    mfu_withheld: bool = False  # an MFU above 100% was withheld, with a warning (see log_record)
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.c['out_dir'], 'ckpt.pt')
+
+    @property
+    def best_path(self):
+        return os.path.join(self.c['out_dir'], 'best.pt')
+
+
+@dataclass
+class Progress:
+    """What the run has done; ckpt.pt stores it, and a resumed run continues from it."""
+    iter_num: int = 0
+    best_val_loss: float = math.inf
+    tokens: int = 0  # training tokens seen, all ranks together
+    time_before: float = 0.0  # training seconds of the runs this one resumes
+    started: float = 0.0  # time.time() when this process's training began
+
+    def time_s(self):
+        return self.time_before + time.time() - self.started
+
+
+def start_processes(c):
+    """(ddp, rank, local_rank, world, device): one process, or torchrun's (it sets RANK, LOCAL_RANK
+    and WORLD_SIZE), each on its device."""
+    ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
+    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+    device = pick_device(c['device'], local_rank)
+    if ddp:
+        if device.startswith('cuda'):
+            torch.cuda.set_device(device)
+        dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
+    if c['gradient_accumulation_steps'] % world:
+        fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by the "
+             f"{world} processes; it counts micro-steps over all ranks together")
+    if device.startswith('cuda'):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return ddp, rank, local_rank, world, device
+
+
+def setup(c):
+    """Everything before the first step: processes, device and dtype, data, model, optimizer, the
+    resumed state, compilation and the peak for MFU. Returns (Run, Progress)."""
+    for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
+        if c[key] < 1:
+            fail(f"{key} must be >= 1, got {c[key]}")
+    ddp, rank, local_rank, world, device = start_processes(c)
+    device_type = device.split(':')[0]
+    dtype = pick_dtype(c['dtype'], device_type, warn=rank == 0)
+    train_shards, val_shards, meta = load_dataset(c['data_dir'], c['dataset'], rank == 0)
+    ckpt_path = os.path.join(c['out_dir'], 'ckpt.pt')
+    if rank == 0:
+        print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
+            c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
+    model, checkpoint = init_model(c, meta, ckpt_path)
+    block_size = c['block_size'] or model.config.block_size  # may be shorter than a GPT-2's 1024
+    if block_size > model.config.block_size:
+        fail(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower it")
+    model.to(device)
+    optimizer = model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), device_type)
+    scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')
+    data_gen, depth_gen = torch.Generator(), torch.Generator()
+    progress = Progress()
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        restore_rng_states(checkpoint['rng_states'], data_gen, depth_gen)
+        progress = Progress(checkpoint['iter_num'], checkpoint['best_val_loss'], checkpoint['tokens'],
+                            checkpoint['time_s'])
+        checkpoint = None  # free the memory
+    compiled, compile_note = resolve_compile(c['compile'], device_type, model.config.n_embd)
+    if compiled:
+        model.compile_regions()  # compiles each block on first use: the first iterations are slow
+    accum = c['gradient_accumulation_steps'] // world
+    run = Run(c=c, ddp=ddp, rank=rank, world=world, device=device, dtype=dtype,
+              autocast=autocast_context(device_type, dtype), accum=accum, model=model,
+              trained=DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model,
+              model_type=model_type_of(model), meta=meta, optimizer=optimizer, scaler=scaler,
+              batches={'train': Batches(train_shards, block_size, c['batch_size'], device),
+                       'val': Batches(val_shards, block_size, c['batch_size'], device)},
+              data_gen=data_gen, depth_gen=depth_gen, block_size=block_size,
+              tokens_per_iter=c['batch_size'] * block_size * accum * world, compiled=compiled)
+    if run.master:
+        announce(run, progress, compile_note)
+        run.peak = peak_flops_for(device, getattr(torch, dtype), c['peak_flops'], verbose=True)
+    return run, progress
+
+
+def announce(run, progress, compile_note):
+    """Rank 0's start-up lines: the model and run, why compile='auto' chose off, the memory estimate."""
+    c, model = run.c, run.model
+    resumed = f"; from iteration {progress.iter_num}" if progress.iter_num else ""
+    print(f"{run.model_type} model, {model.get_num_params() / 1e6:.2f}M non-embedding parameters; {run.device}, "
+          f"{run.dtype}, compile={run.compiled}, {run.world} process(es); {run.tokens_per_iter:,} tokens per "
+          f"iteration{resumed}")
+    if compile_note:
+        print(compile_note)
+    on_cpu = run.device == 'cpu'
+    estimate = memory_estimate(model, c['batch_size'], run.block_size, run.dtype, attention_matrix=run.compiled and on_cpu)
+    line, too_big = describe_memory(estimate, run.device, c['batch_size'], run.block_size)
+    print(line)
+    if too_big and run.device.startswith('cuda'):
+        print("warning: the estimate exceeds this GPU's memory; lower batch_size and raise "
+              "gradient_accumulation_steps by the same factor", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# The step, evaluation, checkpoints
+
+
+def train_batch(run, it, micro):
+    """This rank's batch for micro-step `micro` of iteration it, keyed on the global micro-step, so
+    2 ranks x 1 micro-step read what 1 rank x 2 would."""
+    run.data_gen.manual_seed(rng_key(run.c['seed'], 'data', it, run.rank * run.accum + micro))
+    return run.batches['train'].get(run.data_gen)
+
+
+def train_step(run, it, batch, lr):
+    """Iteration it: accum micro-steps of forward and backward, clipping, one AdamW step. batch is
+    its first batch; the next one is fetched while the device works. Returns (mean loss, a tensor;
+    the depths r drawn; the next iteration's first batch)."""
+    c, model = run.c, run.trained
+    for group in run.optimizer.param_groups:
+        group['lr'] = lr
+    if hasattr(run.model, 'set_iteration'):  # a schedule inside the model (MoR's capacity warm-up)
+        run.model.set_iteration(it)
+    loss_sum, depths = torch.zeros((), device=run.device), []
+    x, y = batch
+    for micro in range(run.accum):
+        # r and the noise of this micro-step, drawn outside any compiled region
+        run.depth_gen.manual_seed(rng_key(c['seed'], 'depth', it, micro))
+        num_steps = run.model.sample_depth(run.depth_gen)
+        torch.manual_seed(rng_key(c['seed'], 'noise', run.rank, it, micro))
+        if run.ddp:  # all-reduce gradients only on the last micro-step; must be set before forward
+            model.require_backward_grad_sync = micro == run.accum - 1
+        with run.autocast:
+            _, loss = model(x, y, num_steps=num_steps)
+            loss = loss / run.accum
+        x, y = train_batch(run, it, micro + 1) if micro + 1 < run.accum else train_batch(run, it + 1, 0)
+        run.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+        if num_steps is not None:
+            depths.append(num_steps)
+    if c['grad_clip'] > 0:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), c['grad_clip'])
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, depths, (x, y)
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Mean loss over eval_iters fixed batches per split (the same every evaluation), split across
+    ranks; evaluation draws from its own generators, so it never shifts the training stream."""
+    c, model = run.c, run.model
+    model.eval()
+    out = {}
+    for split, batches in run.batches.items():
+        total = torch.zeros(2, device=run.device)  # sum of losses, number of batches
+        for k in range(run.rank, c['eval_iters'], run.world):
+            x, y = batches.get(torch.Generator().manual_seed(rng_key(c['seed'], 'eval', split, k)))
+            with run.autocast:
+                _, loss = model(x, y)
+            total += torch.stack([loss.float(), torch.ones((), device=run.device)])
+        if run.ddp:
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out
+
+
+def model_state(model):
+    return {k.removeprefix('_orig_mod.'): v for k, v in model.state_dict().items()}
+
+
+def latest_checkpoint(run, progress):
+    """ckpt.pt: everything a resumed run needs to continue exactly as if never stopped."""
+    return dict(model_type=run.model_type, model_args=asdict(run.model.config), model=model_state(run.model),
+                optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(), iter_num=progress.iter_num,
+                best_val_loss=progress.best_val_loss, config=run.c, meta=run.meta, tokens=progress.tokens,
+                time_s=progress.time_s(), rng_states=rng_states(run.data_gen, run.depth_gen))
+
+
+def best_checkpoint(run, progress, val_loss):
+    """best.pt: the weights with the best val loss so far (no optimizer state), for sample.py,
+    bench.py and analyze.py."""
+    return dict(model_type=run.model_type, model_args=asdict(run.model.config), model=model_state(run.model),
+                meta=run.meta, config=run.c, iter_num=progress.iter_num, val_loss=val_loss)
+
+
+def stop_non_finite(run, what, value, it):
+    kept = f"the last good checkpoint {run.ckpt_path} is kept" if os.path.isfile(run.ckpt_path) else "no checkpoint was written"
+    fail(f"{what} is {value} at iteration {it}; training stopped and {kept}; "
+         f"lower learning_rate, raise warmup_iters or use dtype=float32")
+
+
+def say(run, bar, text):
+    """Say what the run is doing: as the progress bar's label while the bar runs, else as a line."""
+    if not run.master:
+        return
+    if bar is None:
+        print(f"{text} ...", flush=True)
+    else:
+        bar.set_description(text, refresh=True)
+
+
+def evaluate_and_save(run, progress, bar):
+    """Evaluate; then (rank 0) write best.pt if val loss improved, and ckpt.pt. bar: the running
+    progress bar, or None after the last iteration. Returns the losses."""
+    say(run, bar, f"evaluating ({run.c['eval_iters']} batches a split)")
+    losses = evaluate(run)
+    if not math.isfinite(losses['val']):
+        stop_non_finite(run, 'val loss', losses['val'], progress.iter_num)
+    improved = losses['val'] < progress.best_val_loss
+    progress.best_val_loss = min(progress.best_val_loss, losses['val'])
+    if run.master:
+        (print if bar is None else bar.write)(f"iter {progress.iter_num}: train loss {losses['train']:.4f}, "
+                                              f"val loss {losses['val']:.4f}")
+        say(run, bar, f"saving {' and '.join([run.best_path] * improved + [run.ckpt_path])}")
+        if improved:
+            save_checkpoint(run.best_path, best_checkpoint(run, progress, losses['val']))
+        save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
+        if bar is not None:
+            bar.set_description('train', refresh=False)
+    return losses
+
+
+def log_record(run, progress, loss, lr, depths, window_depths, dt):
+    """The log.jsonl line of the iteration just done; stops the run on a non-finite loss. depths:
+    its r's; window_depths: every r since the last line, for MFU; dt: seconds per iteration."""
+    if run.ddp:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank sees the same loss
+    lossf = loss.item()
+    if not math.isfinite(lossf):
+        stop_non_finite(run, 'loss', lossf, progress.iter_num)
+    mean_depth = sum(window_depths) / len(window_depths) if window_depths else None
+    mfu = (run.model.estimate_mfu(run.tokens_per_iter // run.world, dt, run.peak, run.block_size, mean_depth)
+           if run.peak else None)
+    if mfu is not None and mfu > 1 and run.device == 'cpu' and run.c['peak_flops'] <= 0 and run.peak_remeasured < 3:
+        # faster than the measured peak: that measurement ran while other work loaded the cores, so
+        # measure again (keeping the higher figure) rather than show an MFU above 100%
+        run.peak_remeasured += 1
+        run.peak = measure_cpu_peak(getattr(torch, run.dtype), again=True)
+        mfu = run.model.estimate_mfu(run.tokens_per_iter // run.world, dt, run.peak, run.block_size, mean_depth)
+    if mfu is not None and mfu > 1:  # the peak is wrong for this device: say so once, never show the figure
+        if not run.mfu_withheld:
+            tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {run.dtype} peak of {run.peak / 1e9:.1f} "
+                       f"GFLOP/s, so that peak is wrong for this device; MFU not reported (set --peak_flops=...)",
+                       file=sys.stderr)
+        run.mfu_withheld, mfu = True, None
+    return dict(iter=progress.iter_num, loss=lossf, lr=lr,
+                r=(depths[0] if len(depths) == 1 else sum(depths) / len(depths)) if depths else None,
+                tokens=progress.tokens, time_s=round(progress.time_s(), 3), mfu=None if mfu is None else round(mfu, 5))
+
+
+def open_log(run, iter_num):
+    """out_dir/log.jsonl on rank 0: a fresh run starts it, a resumed one cuts it back to the
+    checkpoint's iteration and appends."""
+    if not run.master:
+        return None
+    os.makedirs(run.c['out_dir'], exist_ok=True)
+    path = os.path.join(run.c['out_dir'], 'log.jsonl')
+    resume = run.c['init_from'] == 'resume'
+    if resume:
+        truncate_log(path, iter_num)
+    return open(path, 'a' if resume else 'w')
+
+
+# -----------------------------------------------------------------------------
 # Training
+
+
+def train(run, progress):
+    """Steps until max_iters: a log line every log_interval iterations; evaluation, best.pt (if
+    better) and ckpt.pt every eval_interval and at max_iters; ckpt.pt on Ctrl-C. Returns the last
+    val loss (None if it did not evaluate)."""
+    c = run.c
+    log = open_log(run, progress.iter_num)
+    bar = tqdm(total=c['max_iters'], initial=progress.iter_num, disable=not run.master, dynamic_ncols=True,
+               desc='compiling' if run.compiled else 'train')
+    losses, since_log, window_depths = None, 0, []
+    progress.started = t_log = time.time()
+    batch = train_batch(run, progress.iter_num, 0)
+    try:
+        while progress.iter_num < c['max_iters']:
+            lr = get_lr(progress.iter_num, c)
+            loss, depths, batch = train_step(run, progress.iter_num, batch, lr)
+            progress.iter_num += 1
+            progress.tokens += run.tokens_per_iter
+            since_log += 1
+            window_depths += depths
+            if run.compiled and since_log == 1:
+                bar.set_description('train', refresh=False)
+            bar.update(1)
+            last = progress.iter_num == c['max_iters']
+            evaluating = progress.iter_num % c['eval_interval'] == 0 or last
+            if progress.iter_num % c['log_interval'] and not evaluating:
+                continue  # no host-device sync on the other iterations
+            dt = (time.time() - t_log) / since_log
+            record = log_record(run, progress, loss, lr, depths, window_depths, dt)
+            postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{run.tokens_per_iter / dt:,.0f}")
+            if record['mfu'] is not None:
+                postfix['mfu'] = f"{100 * record['mfu']:.1f}%"
+            bar.set_postfix(postfix, refresh=False)
+            if last:
+                bar.close()  # the final evaluation and checkpoint say so on lines of their own
+            if evaluating:
+                losses = evaluate_and_save(run, progress, None if last else bar)
+                record.update(val_loss=losses['val'], eval_train_loss=losses['train'])
+            if log:
+                log.write(json.dumps(record) + '\n')
+                log.flush()
+            since_log, window_depths, t_log = 0, [], time.time()
+    except KeyboardInterrupt:
+        bar.close()
+        if run.master:
+            if progress.iter_num > 0 and all(torch.isfinite(p).all() for p in run.model.parameters()):
+                print(f"\ninterrupted at iteration {progress.iter_num}: saving {run.ckpt_path} ...", flush=True)
+                save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
+                print(f"saved {run.ckpt_path}; continue with --init_from=resume")
+            else:
+                print(f"\ninterrupted at iteration {progress.iter_num}: nothing saved")
+        sys.exit(130)
+    bar.close()
+    if log:
+        log.close()
+    if run.master and losses is not None:
+        print(f"done: {progress.iter_num} iterations, {progress.tokens:,} tokens, {progress.time_s():.0f} s of "
+              f"training; best val loss {progress.best_val_loss:.4f} in {run.best_path}, the latest state in "
+              f"{run.ckpt_path}")
+    elif run.master:
+        print(f"nothing to train: {run.ckpt_path} is at iteration {progress.iter_num}, max_iters is "
+              f"{c['max_iters']}; raise max_iters to continue")
+    return None if losses is None else losses['val']
 
 
 def main(argv=None):
@@ -377,201 +710,22 @@ def main(argv=None):
         c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         fail(e)
-
-    for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
-        if c[key] < 1:
-            fail(f"{key} must be >= 1, got {c[key]}")
-
-    # --- devices and processes: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-    ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
-    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
-    device = pick_device(c['device'], local_rank)
-    device_type = device.split(':')[0]
-    if ddp:
-        if device_type == 'cuda':
-            torch.cuda.set_device(device)
-        dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo')
-    master = rank == 0
-    if c['gradient_accumulation_steps'] % world:
-        fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by the "
-             f"{world} processes; it counts micro-steps over all ranks together")
-    accum = c['gradient_accumulation_steps'] // world  # this rank's micro-steps per optimizer step
-    dtype = pick_dtype(c['dtype'], device_type)
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    autocast = autocast_context(device_type, dtype)
-    if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    # --- data, model, optimizer
-    train_shards, val_shards, meta = load_dataset(c['data_dir'], c['dataset'], master)
-    ckpt_path = os.path.join(c['out_dir'], 'ckpt.pt')
-    raw_model, checkpoint = init_model(c, meta, ckpt_path)
-    model_type = next(name for name, (_, cls) in MODELS.items() if type(raw_model) is cls)
-    block_size = c['block_size'] or raw_model.config.block_size  # may be shorter than a GPT-2's 1024
-    if block_size > raw_model.config.block_size:
-        fail(f"block_size={block_size} exceeds the model's {raw_model.config.block_size}; lower it")
-    raw_model.to(device)
-    optimizer = raw_model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), device_type)
-    scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')
-    data_gen = torch.Generator()  # reseeded for every batch: (seed, iteration, global micro-step)
-    depth_gen = torch.Generator()  # reseeded for every micro-step: (seed, iteration, micro-step), rank-free
-    iter_num, best_val_loss, tokens_seen, time_before = 0, float('inf'), 0, 0.0
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng_states(checkpoint['rng_states'], data_gen, depth_gen)
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        tokens_seen, time_before = checkpoint['tokens'], checkpoint['time_s']
-        checkpoint = None  # free the memory
-    if c['compile']:
-        raw_model.compile_regions()
-    model = DDP(raw_model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else raw_model
-    train_batches = Batches(train_shards, block_size, c['batch_size'], device)
-    val_batches = {'train': train_batches, 'val': Batches(val_shards, block_size, c['batch_size'], device)}
-    tokens_per_iter = c['batch_size'] * block_size * accum * world
-    peak = peak_flops_for(device, ptdtype, c['peak_flops']) if master else 0.0
-
-    def train_batch(it, micro):
-        # keyed on the global micro-step, so 2 ranks x 1 micro-step read what 1 rank x 2 would
-        data_gen.manual_seed(rng_key(c['seed'], 'data', it, rank * accum + micro))
-        return train_batches.get(data_gen)
-
-    @torch.no_grad()
-    def estimate_loss():
-        """Mean loss over eval_iters fixed batches per split (the same every evaluation), split across ranks."""
-        raw_model.eval()
-        out = {}
-        for split, batches in val_batches.items():
-            total = torch.zeros(2, device=device)  # sum of losses, number of batches
-            for k in range(rank, c['eval_iters'], world):
-                gen = torch.Generator().manual_seed(rng_key(c['seed'], 'eval', split, k))
-                x, y = batches.get(gen)
-                with autocast:
-                    _, loss = raw_model(x, y)
-                total += torch.stack([loss.float(), torch.ones((), device=device)])
-            if ddp:
-                dist.all_reduce(total)
-            out[split] = (total[0] / total[1]).item()
-        raw_model.train()
-        return out
-
-    def checkpoint_dict():
-        state = {k.removeprefix('_orig_mod.'): v for k, v in raw_model.state_dict().items()}
-        return dict(model_type=model_type, model_args=asdict(raw_model.config), model=state,
-                    optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), iter_num=iter_num,
-                    best_val_loss=best_val_loss, config=c, meta=meta, tokens=tokens_seen,
-                    time_s=time_before + time.time() - t_start, rng_states=rng_states(data_gen, depth_gen))
-
-    t_start = time.time()
-    if c['eval_only']:
-        losses = estimate_loss()
-        if master:
-            print(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        return dict(iter_num=iter_num, best_val_loss=best_val_loss, val_loss=losses['val'])
-
-    # --- the log: a fresh run starts it, a resumed run cuts it back to the checkpoint
-    log_path = os.path.join(c['out_dir'], 'log.jsonl')
-    log = None
-    if master:
-        os.makedirs(c['out_dir'], exist_ok=True)
-        if c['init_from'] == 'resume':
-            truncate_log(log_path, iter_num)
-        log = open(log_path, 'a' if c['init_from'] == 'resume' else 'w')
-        n_params = raw_model.get_num_params()
-        print(f"{model_type} model, {n_params / 1e6:.2f}M non-embedding parameters; {device}, {dtype}, "
-              f"compile={c['compile']}, {world} process(es); {tokens_per_iter:,} tokens per iteration")
-
-    pbar = tqdm(total=c['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
-    val_loss = None
-    t_log, iters_since_log, depth_sum, depth_count = time.time(), 0, 0, 0
-    x, y = train_batch(iter_num, 0)
     try:
-        while iter_num < c['max_iters']:
-            lr = get_lr(iter_num, c)
-            for group in optimizer.param_groups:
-                group['lr'] = lr
-            iter_loss = torch.zeros((), device=device)
-            depths = []
-            for micro in range(accum):
-                # r and the noise of this micro-step, drawn outside any compiled region
-                depth_gen.manual_seed(rng_key(c['seed'], 'depth', iter_num, micro))
-                num_steps = raw_model.sample_depth(depth_gen)
-                torch.manual_seed(rng_key(c['seed'], 'noise', rank, iter_num, micro))
-                if ddp:  # all-reduce gradients only on the last micro-step; must be set before forward
-                    model.require_backward_grad_sync = micro == accum - 1
-                with autocast:
-                    _, loss = model(x, y, num_steps=num_steps)
-                    loss = loss / accum
-                # fetch the next batch while the device works on this one
-                x, y = train_batch(iter_num, micro + 1) if micro + 1 < accum else train_batch(iter_num + 1, 0)
-                scaler.scale(loss).backward()
-                iter_loss += loss.detach()
-                if num_steps is not None:
-                    depths.append(num_steps)
-            if c['grad_clip'] > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c['grad_clip'])
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            iter_num += 1
-            tokens_seen += tokens_per_iter
-            iters_since_log += 1
-            depth_sum, depth_count = depth_sum + sum(depths), depth_count + len(depths)
-            pbar.update(1)
-
-            evaluating = iter_num % c['eval_interval'] == 0 or iter_num == c['max_iters']
-            if iter_num % c['log_interval'] and not evaluating:
-                continue  # no host-device sync on the other iterations
-            if ddp:
-                dist.all_reduce(iter_loss, op=dist.ReduceOp.AVG)  # every rank sees the same loss
-            lossf = iter_loss.item()
-            if not math.isfinite(lossf):
-                kept = f"the last good checkpoint {ckpt_path} is kept" if os.path.isfile(ckpt_path) else "no checkpoint was written"
-                fail(f"loss is {lossf} at iteration {iter_num}; training stopped and {kept}; "
-                     f"lower learning_rate, raise warmup_iters or use dtype=float32")
-            dt = (time.time() - t_log) / iters_since_log
-            mean_depth = depth_sum / depth_count if depth_count else None
-            mfu = raw_model.estimate_mfu(tokens_per_iter // world, dt, peak, block_size, mean_depth) if peak else None
-            record = dict(iter=iter_num, loss=lossf, lr=lr,
-                          r=(depths[0] if len(depths) == 1 else sum(depths) / len(depths)) if depths else None,
-                          tokens=tokens_seen, time_s=round(time_before + time.time() - t_start, 3),
-                          mfu=None if mfu is None else round(mfu, 5))
-            if master:
-                postfix = dict(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}")
-                if mfu is not None:
-                    postfix['mfu'] = f"{100 * mfu:.1f}%"
-                pbar.set_postfix(postfix, refresh=False)
-            if evaluating:
-                losses = estimate_loss()
-                val_loss = record['val_loss'] = losses['val']
-                record['eval_train_loss'] = losses['train']
-                if master:
-                    pbar.write(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                improved = val_loss < best_val_loss
-                best_val_loss = min(best_val_loss, val_loss)
-                if master and (improved or c['always_save_checkpoint'] or iter_num == c['max_iters']):
-                    save_checkpoint(ckpt_path, checkpoint_dict())
-            if master:
-                log.write(json.dumps(record) + '\n')
-                log.flush()
-            t_log, iters_since_log, depth_sum, depth_count = time.time(), 0, 0, 0
+        run, progress = setup(c)
     except KeyboardInterrupt:
-        pbar.close()
-        if master:
-            if iter_num > 0 and all(torch.isfinite(p).all() for p in raw_model.parameters()):
-                save_checkpoint(ckpt_path, checkpoint_dict())
-                print(f"\ninterrupted at iteration {iter_num}: saved {ckpt_path}; continue with --init_from=resume")
-            else:
-                print(f"\ninterrupted at iteration {iter_num}: nothing saved")
+        print("\ninterrupted before training began: nothing saved")
         sys.exit(130)
-    pbar.close()
-    if log is not None:
-        log.close()
-    if ddp:
+    if c['eval_only']:
+        say(run, None, f"evaluating ({c['eval_iters']} batches a split)")
+        losses = evaluate(run)
+        if run.master:
+            print(f"iter {progress.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        val_loss = losses['val']
+    else:
+        val_loss = train(run, progress)
+    if run.ddp:
         dist.destroy_process_group()
-    return dict(iter_num=iter_num, best_val_loss=best_val_loss, val_loss=val_loss)
+    return dict(iter_num=progress.iter_num, best_val_loss=progress.best_val_loss, val_loss=val_loss)
 
 
 if __name__ == '__main__':

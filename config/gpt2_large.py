@@ -1,32 +1,9 @@
-# The dense 36-layer GPT-2 large (d 1280), twin of config/grt_large.py (isoFLOP) and
+# The dense 36-layer GPT-2 large (d 1280): the twin of config/grt_large.py (isoFLOP) and
 # config/grt_large_isoparam.py (isoParam).
-# Same data and recipe as config/grt_small.py; learning rate from GPT-3's table for this size.
-#   python prepare_data.py fineweb10B
 #   torchrun --standalone --nproc_per_node=8 train.py config/gpt2_large.py
+from config.recipe_fineweb_large import *
+
 out_dir = 'out-gpt2-large'
-preset = 'gpt2-large'
-dataset = 'fineweb10B'
-vocab_size = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls; every id fits
-
-# 4 sequences x 1024 tokens x 128 micro-steps = 524,288 tokens (about 0.5M) per optimizer step,
-# the micro-steps shared among the torchrun processes. Out of memory: halve batch_size, double
-# gradient_accumulation_steps (the product sets the tokens per step)
-block_size = 1024
-batch_size = 4
-gradient_accumulation_steps = 128
-
-max_iters = 20000  # 10.5B tokens
-learning_rate = 0.00025
-min_lr = 2.5e-05  # cosine decay to learning_rate / 10
-warmup_iters = 2000
-lr_decay_iters = 20000
-beta1, beta2 = 0.9, 0.95
-weight_decay = 0.1
-grad_clip = 1.0
-dropout = 0.0
-
-eval_interval = 1000
-eval_iters = 100
-log_interval = 10
-dtype = 'bfloat16'
-compile = True
+model_type = 'gpt'
+n_layer = 36
+n_embd, n_head = 1280, 20

@@ -1,39 +1,8 @@
-# Ablation ladder rung 3, + state noise (GRTConfig.rung): h = Core(h + eps_x), eps_x ~ N(0, 0.1^2) in
-# training, r ~ Uniform{1..7} (7 at eval).
-#   python train.py config/shakespeare_char_rung3.py     (prepares data/shakespeare_char/ if missing)
-#   python sample.py --out_dir=out-shakespeare-char-rung3
-# Training FLOPs per token (forward + backward, LM head excluded, averaged over training's depth
-# draws; d = 128, S = 128) against config/shakespeare_char_gpt.py (6 layers, 8.26 MFLOP) and
-# config/shakespeare_char_grt.py (1+1x5+1, 8.36 MFLOP at the mean r = 3):
-#   rung 3, 1+1x7+1:       8.26 MFLOP = 1.00x dense, 0.99x GRT (noise costs nothing)
+# Ablation ladder rung 3, + state noise: h = Core(h + eps_x), eps_x ~ N(0, 0.1^2) in training,
+# r ~ Uniform{1..7} (7 at eval).
+# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+from config.recipe_shakespeare_char import *
+
 out_dir = 'out-shakespeare-char-rung3'
-dataset = 'shakespeare_char'
-
-model_type = 'grt'
-rung = 3
-n_prelude = 1
-n_core = 1
-n_recur = 7
-n_coda = 1
-n_head = 4
-n_embd = 128
-block_size = 128
-dropout = 0.0  # ~6 passes over the text: too few to overfit
-
-batch_size = 32
-gradient_accumulation_steps = 1
-max_iters = 1500
-lr_decay_iters = 1500
-learning_rate = 1e-3
-min_lr = 1e-4
-warmup_iters = 100
-beta2 = 0.99  # few tokens per step: a shorter second-moment memory, as nanoGPT's char configs
-weight_decay = 0.1
-
-eval_interval = 250
-eval_iters = 20
-log_interval = 10
-always_save_checkpoint = False
-device = 'cpu'
-dtype = 'auto'  # bf16 autocast where the CPU has native bf16 (AVX-512 BF16 / AMX), else fp32
-compile = False
+model_type = 'rung3'
+n_prelude, n_core, n_recur, n_coda = 1, 1, 7, 1

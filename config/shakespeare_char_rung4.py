@@ -1,39 +1,8 @@
-# Ablation ladder rung 4, + prelude re-injection (GRTConfig.rung): h = Core(W_proj [h + eps_x ; e]),
-# r ~ Uniform{1..6} in training (6 at eval). Rung 5 is the full GRT: config/shakespeare_char_grt.py.
-#   python train.py config/shakespeare_char_rung4.py     (prepares data/shakespeare_char/ if missing)
-#   python sample.py --out_dir=out-shakespeare-char-rung4
-# Training FLOPs per token (forward + backward, LM head excluded, averaged over training's depth
-# draws; d = 128, S = 128) against config/shakespeare_char_gpt.py (6 layers, 8.26 MFLOP) and
-# config/shakespeare_char_grt.py (1+1x5+1, 8.36 MFLOP at the mean r = 3):
-#   rung 4, 1+1x6+1:       8.26 MFLOP = 1.00x dense, 0.99x GRT (W_proj: 4 d^2 a step)
+# Ablation ladder rung 4, + prelude re-injection: h = Core(W_proj [h + eps_x ; e]), r ~ Uniform{1..6} in
+# training (6 at eval). Rung 5 is the full GRT: config/shakespeare_char_grt.py.
+# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+from config.recipe_shakespeare_char import *
+
 out_dir = 'out-shakespeare-char-rung4'
-dataset = 'shakespeare_char'
-
-model_type = 'grt'
-rung = 4
-n_prelude = 1
-n_core = 1
-n_recur = 6
-n_coda = 1
-n_head = 4
-n_embd = 128
-block_size = 128
-dropout = 0.0  # ~6 passes over the text: too few to overfit
-
-batch_size = 32
-gradient_accumulation_steps = 1
-max_iters = 1500
-lr_decay_iters = 1500
-learning_rate = 1e-3
-min_lr = 1e-4
-warmup_iters = 100
-beta2 = 0.99  # few tokens per step: a shorter second-moment memory, as nanoGPT's char configs
-weight_decay = 0.1
-
-eval_interval = 250
-eval_iters = 20
-log_interval = 10
-always_save_checkpoint = False
-device = 'cpu'
-dtype = 'auto'  # bf16 autocast where the CPU has native bf16 (AVX-512 BF16 / AMX), else fp32
-compile = False
+model_type = 'rung4'
+n_prelude, n_core, n_recur, n_coda = 1, 1, 6, 1

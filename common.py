@@ -1,0 +1,214 @@
+"""
+What the scripts share: one-line errors, device and precision choice, keyed randomness, the CPU's
+measured peak for MFU, random training windows, and loading a trained model. train.py, sample.py,
+bench.py, study.py and analyze.py import these from here, never from each other.
+"""
+
+import hashlib
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from registry import from_checkpoint
+
+GPU_PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('GH200', 989e12),
+                  ('A100', 312e12), ('L40S', 362e12), ('L4', 121e12), ('A10', 125e12), ('V100', 125e12)]
+
+
+def fail(message):
+    """Stop the script with one line that says what went wrong and what to do."""
+    sys.exit(f"error: {message}")
+
+
+# -----------------------------------------------------------------------------
+# Devices, precision, randomness
+
+
+def pick_device(name, local_rank):
+    if name != 'auto':
+        return name
+    if torch.cuda.is_available():
+        return f'cuda:{local_rank}'
+    if torch.backends.mps.is_available():
+        return 'mps'
+    return 'cpu'
+
+
+def cpu_has_native_bf16():
+    """bf16 arithmetic in hardware (AVX-512 BF16 or AMX on x86, the BF16 extension on Arm): only then
+    is CPU autocast faster than fp32; elsewhere it is emulated and slower."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16'})
+
+
+def pick_dtype(name, device_type, warn=True):
+    """'auto': bf16 on CUDA (fp16 where it has no bf16); bf16 on a CPU with native bf16, else fp32.
+    A forced bf16 on a CPU without it is allowed but warned about (warn=False: silent, for DDP ranks
+    other than the first): it is emulated there and runs about 20x slower than fp32."""
+    if name == 'auto':
+        if device_type == 'cuda':
+            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+        return 'bfloat16' if device_type == 'cpu' and cpu_has_native_bf16() else 'float32'
+    if name not in ('float32', 'bfloat16', 'float16'):
+        fail(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+    if name == 'float16' and device_type != 'cuda':
+        fail("dtype=float16 needs CUDA (it trains with a GradScaler); use --dtype=bfloat16 or --dtype=float32")
+    if name == 'bfloat16' and device_type == 'cpu' and warn and not cpu_has_native_bf16():
+        print("warning: this CPU has no native bf16 (AVX-512 BF16 or AMX): bfloat16 is emulated and runs "
+              "about 20x slower than float32; use --dtype=float32 (or --dtype=auto)", file=sys.stderr, flush=True)
+    return name
+
+
+def autocast_context(device_type, dtype):
+    """Mixed precision: autocast to bf16/fp16, nothing for fp32 (train.py, sample.py and bench.py)."""
+    if dtype == 'float32':
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def rng_key(*parts):
+    """A 63-bit seed from any tuple of values, e.g. (seed, 'data', rank, iteration, micro_step)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), 'little') >> 1
+
+
+_cpu_peak_cache = {}
+
+
+def _time_linear(n, dtype, repeats):
+    """Seconds of the fastest of `repeats` (n, n) x (n, n)^T products in dtype, after one warm-up."""
+    x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    best = float('inf')
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
+    """The CPU's practical peak FLOP/s in dtype (the one the run computes in: bf16 under bf16
+    autocast, fp32 otherwise), measured once per dtype and process: the best rate of square
+    products laid out as nn.Linear computes them (x @ W^T; an emulated bf16 kernel runs ~10x
+    faster in this layout than in a @ b, so timing a @ b gave a peak below the model's own rate and
+    MFU above 100%).
+
+    Sizes grow from n = 128, doubling while the next size (8x the work, timed repeats + 1 times)
+    is expected to fit in what is left of budget_s, up to max_n. So it takes about budget_s at
+    most on any CPU: where bf16 is emulated (1-10 GFLOP/s) it stops at n = 256 or 512, where a
+    fixed 2048^3 product in bf16 took 20 s each.
+
+    A measurement taken while other work loads the cores is too low. again=True measures anew and
+    keeps the higher figure: train.py does so when a run's own FLOP rate exceeds the peak."""
+    if again or dtype not in _cpu_peak_cache:
+        best, n, spent = 0.0, 128, 0.0
+        while True:
+            seconds = max(_time_linear(n, dtype, repeats), 1e-9)
+            spent += (repeats + 1) * seconds
+            best = max(best, 2 * n ** 3 / seconds)
+            if 2 * n > max_n or spent + 8 * (repeats + 1) * seconds > budget_s:
+                break
+            n *= 2
+        _cpu_peak_cache[dtype] = max(best, _cpu_peak_cache.get(dtype, 0.0))
+    return _cpu_peak_cache[dtype]
+
+
+def peak_flops_for(device, ptdtype, override, verbose=False):
+    """Per-device peak FLOP/s in the run's dtype, for MFU: override if > 0; on CUDA the datasheet's
+    dense 16-bit tensor-core figure (fp32 runs use TF32, which train.py enables: half of it; V100
+    has no TF32); on CPU measured by measure_cpu_peak; 0 (MFU not shown) on MPS."""
+    if override > 0:
+        return override
+    if device.startswith('cuda'):
+        name = torch.cuda.get_device_name(device)
+        key, flops = next(((k, f) for k, f in GPU_PEAK_FLOPS if k in name), (None, 312e12))
+        if key is None:
+            print(f"note: no datasheet peak for {name}; MFU is against A100's 312 TFLOPS, set --peak_flops=...")
+        if ptdtype == torch.float32:
+            flops = 15.7e12 if key == 'V100' else flops / 2
+        return flops
+    if device == 'cpu':
+        if verbose and ptdtype not in _cpu_peak_cache:
+            print(f"measuring the CPU's peak FLOP/s in {str(ptdtype).removeprefix('torch.')} for MFU ...",
+                  end=' ', flush=True)
+        peak = measure_cpu_peak(ptdtype)
+        if verbose:
+            print(f"{peak / 1e9:,.1f} GFLOP/s")
+        return peak
+    return 0.0  # mps: unknown, MFU not shown
+
+
+# -----------------------------------------------------------------------------
+# Data: random windows from memory-mapped token files, drawn by a seeded generator
+
+
+class Batches:
+    """Windows of block_size + 1 tokens at uniformly random positions over all shards (a shard is
+    picked in proportion to its windows, then an offset in it), nanoGPT-style from np.memmap."""
+
+    def __init__(self, shards, block_size, batch_size, device):
+        self.shards, self.block_size, self.batch_size, self.device = shards, block_size, batch_size, device
+        self.windows = torch.tensor([len(s) - block_size for s in shards], dtype=torch.float64)
+        if self.windows.max() < 1:
+            fail(f"the data holds at most {int(self.windows.max()) + block_size} tokens a file, too few for "
+                 f"block_size {block_size}; use a smaller block_size or more data")
+        self.windows.clamp_(min=0)
+
+    def get(self, generator):
+        ids = torch.multinomial(self.windows, self.batch_size, replacement=True, generator=generator)
+        offsets = (torch.rand(self.batch_size, generator=generator, dtype=torch.float64) * self.windows[ids]).long()
+        rows = np.stack([self.shards[i][o:o + self.block_size + 1] for i, o in zip(ids.tolist(), offsets.tolist())])
+        batch = torch.from_numpy(rows.astype(np.int64))
+        if self.device.startswith('cuda'):
+            batch = batch.pin_memory().to(self.device, non_blocking=True)  # overlaps with the GPU's work
+        else:
+            batch = batch.to(self.device)
+        return batch[:, :-1], batch[:, 1:]
+
+
+# -----------------------------------------------------------------------------
+# A trained model, for sampling, benchmarking and analysis
+
+GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+
+
+def load_checkpoint(out_dir, ckpt):
+    """The checkpoint dict of out_dir/ckpt ('best.pt': best val loss; 'ckpt.pt': the latest, for resume)."""
+    path = os.path.join(out_dir, ckpt)
+    if not os.path.isfile(path):
+        other = 'ckpt.pt' if ckpt == 'best.pt' else 'best.pt'
+        fail(f"no checkpoint at {path}; train one with `python train.py ... --out_dir={out_dir}`, or pick "
+             f"--ckpt={other} if that one exists")
+    return torch.load(path, map_location='cpu', weights_only=False)  # our own file: it holds the config too
+
+
+def load_model(init_from, out_dir, device, ckpt='best.pt'):
+    """(model in eval mode on device, checkpoint or None) for a train.py checkpoint (init_from='resume')
+    or a pretrained GPT-2 (init_from='gpt2', ...)."""
+    if init_from in GPT2_NAMES:
+        from model import GPT
+        try:
+            model = GPT.from_pretrained(init_from)
+        except OSError as e:
+            fail(f"could not load {init_from} from Hugging Face ({str(e).splitlines()[0]}); it needs "
+                 f"internet access once, or a local copy in the Hugging Face cache")
+        checkpoint = None
+    elif init_from == 'resume':
+        checkpoint = load_checkpoint(out_dir, ckpt)
+        try:
+            model = from_checkpoint(checkpoint)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            fail(f"{os.path.join(out_dir, ckpt)} does not hold a model this model.py can build "
+                 f"({str(e).splitlines()[0]}); was it written by train.py?")
+    else:
+        fail(f"init_from must be 'resume' or one of {', '.join(GPT2_NAMES)}, got {init_from!r}")
+    model.eval()
+    return model.to(device), checkpoint

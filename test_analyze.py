@@ -1,0 +1,150 @@
+"""analyze.py's measurements on tiny models, each against its definition written out here: the gate of
+Eq. 5, the relative state change, the exit losses (at r = R the model's own val loss), the scale of e;
+and the script end to end on a tiny checkpoint."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import analyze
+from conftest import CHARS, save_checkpoint, scramble, tiny_model
+from prepare_data import write_tokens
+from registry import build_model
+
+B, T = 2, 24
+
+
+def run(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def embed(model, idx):
+    pos = torch.arange(idx.size(1))
+    return model.transformer.wte(idx) + model.transformer.wpe(pos)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, len(CHARS), (B, T), generator=g)
+    return x, torch.randint(0, len(CHARS), (B, T), generator=g)
+
+
+def grt():
+    return scramble(tiny_model('grt'), std=0.1)  # 1 + 1x4 + 1, gates that move
+
+
+def written_out_grt(model, x, steps):
+    """States h_0..h_steps and gates g_1..g_steps of Eq. 2-5 at eval (no noise), and e."""
+    e = run(model.transformer.prelude, embed(model, x))
+    h, states, gates = e, [e], []
+    for _ in range(steps):
+        o = run(model.transformer.core, model.proj(torch.cat([h, e], dim=-1)))
+        g = torch.sigmoid(model.gate(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1)) / model.config.gate_tau)
+        h = g * h + (1 - g) * o
+        states.append(h)
+        gates.append(g)
+    return e, states, gates
+
+
+@torch.no_grad()
+def test_trace_records_the_states_and_gates_of_eq_2_to_5():
+    model = grt()
+    x, _ = batch()
+    e, states, gates = written_out_grt(model, x, 6)
+    with analyze.trace(model) as record:
+        model(x, num_steps=6)
+    torch.testing.assert_close(record['e'], e)
+    assert len(record['states']) == 7 and len(record['gates']) == 6
+    for mine, theirs in zip(record['states'] + record['gates'], states + gates):
+        torch.testing.assert_close(mine, theirs)
+    assert 'recurrence_step' not in vars(model) and not model.gate._forward_hooks  # the model is left as it was
+
+
+@torch.no_grad()
+def test_measured_quantities_match_their_definitions():
+    model = grt()
+    data = [batch(0), batch(1)]
+    result = analyze.measure(model, data, 8)  # R = 4: steps 5..8 run deeper than trained
+    gate, change, loss, std = [[0.0] * 8 for _ in range(4)]
+    for x, y in data:
+        e, states, gates = written_out_grt(model, x, 8)
+        for r in range(1, 9):
+            gate[r - 1] += gates[r - 1].mean().item() / 2
+            rel = (states[r] - states[r - 1]).norm(dim=-1) / states[r].norm(dim=-1)  # per token
+            change[r - 1] += rel.mean().item() / 2
+            std[r - 1] += states[r].std().item() / 2
+            # exit loss: the coda reads h_r; it equals the model's loss at depth r
+            logits = model.lm_head(model.transformer.ln_f(run(model.transformer.coda, states[r])))
+            loss[r - 1] += F.cross_entropy(logits.view(-1, len(CHARS)), y.view(-1)).item() / 2
+            assert F.cross_entropy(logits.view(-1, len(CHARS)), y.view(-1)).item() == pytest.approx(
+                model(x, y, num_steps=r)[1].item(), abs=1e-5)
+    for key, expected in (('gate', gate), ('change', change), ('exit_loss', loss), ('state_std', std)):
+        assert result[key] == pytest.approx(expected, abs=1e-5), key
+    assert result['e_std'] == pytest.approx(np.mean([written_out_grt(model, x, 1)[0].std().item() for x, _ in data]))
+    # at r = R the exit loss is the model's own eval loss
+    assert result['exit_loss'][3] == pytest.approx(np.mean([model(x, y)[1].item() for x, y in data]), abs=1e-5)
+    assert 0 < min(result['gate']) and max(result['gate']) < 1 and min(result['change']) > 0
+
+
+@torch.no_grad()
+def test_models_without_a_gate_are_traced_too():
+    """Huginn (the coda reads ln_f(h)) and a ladder rung: no gate, exit loss at R = eval loss."""
+    for model_type, fields in (('huginn', dict(backprop_depth=2)), ('rung4', {})):
+        torch.manual_seed(0)
+        model = build_model(model_type, vocab_size=len(CHARS), block_size=64, n_embd=32, n_head=4, n_prelude=1,
+                            n_core=1, n_coda=1, n_recur=3, **fields).eval()
+        data = [batch(2)]
+        result = analyze.measure(model, data, 4)
+        assert result['gate'] == [None] * 4
+        assert result['exit_loss'][2] == pytest.approx(model(*data[0])[1].item(), abs=1e-5)
+        gate, change = analyze.token_map(model, data[0][0][:1], 4)
+        assert gate is None and change.shape == (4, T)
+
+
+@pytest.fixture(scope='module')
+def char_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp('data')
+    os.makedirs(root / 'tiny')
+    tokens = np.random.default_rng(0).integers(len(CHARS), size=3000)
+    write_tokens(str(root / 'tiny' / 'train.bin'), tokens[:2000])
+    write_tokens(str(root / 'tiny' / 'val.bin'), tokens[2000:])
+    return str(root)
+
+
+def test_analyze_script_end_to_end(char_data, tmp_path):
+    """On a checkpoint: tables, plots, the heatmap's text, and e's std at init from the same seed."""
+    fields = dict(vars(tiny_model('grt').config))
+    torch.manual_seed(5)  # as train.py seeds before building: analyze.py rebuilds the same weights
+    model = build_model('grt', **fields)
+    config = dict(dataset='tiny', data_dir=char_data, seed=5, block_size=32, batch_size=2)
+    out_dir = save_checkpoint(str(tmp_path / 'out'), model, 'grt', config=config)
+    img_dir = str(tmp_path / 'img')
+    result = analyze.main([f'--out_dir={out_dir}', '--eval_iters=2', f'--img_dir={img_dir}', '--heatmap_chars=20',
+                           '--text=To be, or not to be: that is'])
+    assert len(result['gate']) == 8 and result['R'] == 4
+    assert result['heatmap']['text'] == 'To be, or not to be:' and len(result['heatmap']['gate']) == 8
+    assert all(len(row) == 20 for row in result['heatmap']['gate'])
+    # the checkpoint holds the freshly built weights, so "at init" and "trained" measure the same model
+    assert result['noise_scale']['init']['e_std'] == pytest.approx(result['noise_scale']['trained']['e_std'], rel=0.2)
+    assert result['init']['gate'][:4] == pytest.approx(result['gate'][:4], abs=0.02)
+    with open(os.path.join(out_dir, 'analysis', 'analysis.json')) as f:
+        assert json.load(f)['R'] == 4
+    assert '| 4 (R) |' in open(os.path.join(out_dir, 'analysis', 'analysis.md')).read()
+    pytest.importorskip('matplotlib')
+    assert os.path.isfile(os.path.join(img_dir, 'grt_steps.png'))
+    assert os.path.isfile(os.path.join(img_dir, 'grt_heatmap.png'))
+    assert os.path.isfile(os.path.join(img_dir, 'grt_heatmap_change.png'))
+
+
+def test_analyze_refuses_mor_and_dense_models(tmp_path):
+    for model_type, fields in (('gpt', dict(n_layer=2)), ('mor', dict(n_prelude=1, n_core=1, n_coda=1, n_recur=2))):
+        model = build_model(model_type, vocab_size=len(CHARS), block_size=32, n_embd=32, n_head=4, **fields)
+        out_dir = save_checkpoint(str(tmp_path / model_type), model, model_type, config=dict(dataset='tiny'))
+        with pytest.raises(SystemExit, match="traces a recurrent model's steps"):
+            analyze.main([f'--out_dir={out_dir}'])

@@ -1,0 +1,158 @@
+"""The shipped configs: every one parses with train.py's settings, builds its model and trains, so a
+renamed key can never break a user's command; and the FLOP matching their comments claim holds."""
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import study
+import train
+from config import parse_config
+from prepare_data import write_tokens
+from registry import MODELS, PRESETS, build_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '*.py'))
+                 if not p.endswith('__init__.py'))  # the recipes too: each parses and trains on its own
+MODEL_FIELDS = set().union(*(config_class.__dataclass_fields__ for config_class, _ in MODELS.values()))
+CHAR_VOCAB = 65  # Tiny Shakespeare's characters
+
+
+def read_config(path, *overrides):
+    return parse_config(train.DEFAULTS, [os.path.join(HERE, path), *overrides])
+
+
+def config_model(path):
+    """The model a config file describes, on the meta device (no memory, no time): its model_type and
+    every model field it sets (a field its model_type lacks is refused), the dataset's vocabulary."""
+    c = read_config(path)
+    fields = {k: c[k] for k in MODEL_FIELDS if c.get(k) is not None}
+    fields.setdefault('vocab_size', CHAR_VOCAB if c['dataset'] == 'shakespeare_char' else None)
+    assert fields['vocab_size'], f"{path} sets no vocab_size for dataset {c['dataset']!r}"
+    with torch.device('meta'):
+        return build_model(c['model_type'] or 'gpt', **fields)
+
+
+@pytest.mark.parametrize('path', CONFIGS)
+def test_config_builds_its_model_on_meta(path):
+    model = config_model(path)
+    assert model.get_num_params() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Two training steps of every config through train.main, widths shrunk, layouts kept
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from more threads, and on a loaded machine a second thread waiting at
+    every op's barrier makes these runs several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope='module')
+def data_root(tmp_path_factory):
+    """data/tiny/: random characters over Tiny Shakespeare's 65-character vocabulary."""
+    root = tmp_path_factory.mktemp('data')
+    tokens = np.random.default_rng(0).integers(CHAR_VOCAB, size=5000)
+    os.makedirs(root / 'tiny')
+    write_tokens(str(root / 'tiny' / 'train.bin'), tokens[:4000])
+    write_tokens(str(root / 'tiny' / 'val.bin'), tokens[4000:])
+    with open(root / 'tiny' / 'meta.json', 'w') as f:
+        json.dump({'tokenizer': 'char', 'vocab_size': CHAR_VOCAB, 'chars': ''.join(map(chr, range(33, 98)))}, f)
+    return str(root)
+
+
+TINY = dict(n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulation_steps=1, max_iters=2,
+            eval_iters=1, eval_interval=2, log_interval=1, compile=False, dtype='float32', device='cpu',
+            peak_flops=1e12)  # a fixed peak: no measuring
+
+
+@pytest.mark.parametrize('path', CONFIGS)
+def test_config_trains_two_steps(path, data_root, tmp_path):
+    out_dir = tmp_path / 'out'
+    argv = [os.path.join(HERE, path), f'--data_dir={data_root}', '--dataset=tiny', f'--out_dir={out_dir}',
+            *[f'--{k}={v}' for k, v in TINY.items()]]
+    result = train.main(argv)
+    assert result['iter_num'] == 2 and math.isfinite(result['val_loss'])
+    assert os.path.isfile(out_dir / 'ckpt.pt')
+
+
+# ---------------------------------------------------------------------------------------------
+# What the configs' comments claim
+
+
+PAPER = {'gpt2_small': 'gpt2-small', 'gpt2_medium': 'gpt2-medium', 'gpt2_large': 'gpt2-large',
+         'grt_small': 'grt-small-isoflop', 'grt_medium': 'grt-medium-isoflop', 'grt_large': 'grt-large-isoflop',
+         'grt_small_isoparam': 'grt-small-isoparam', 'grt_medium_isoparam': 'grt-medium-isoparam',
+         'grt_large_isoparam': 'grt-large-isoparam'}
+
+
+@pytest.mark.parametrize('name', PAPER)
+def test_paper_configs_spell_out_the_presets(name):
+    c = read_config(f'config/{name}.py')
+    assert {k: c[k] for k in PRESETS[PAPER[name]]} == PRESETS[PAPER[name]]
+
+
+def test_paper_configs_keep_half_a_million_tokens_a_step():
+    for path in CONFIGS:
+        c = read_config(path)
+        if c['dataset'] == 'fineweb10B':
+            assert c['batch_size'] * c['gradient_accumulation_steps'] * c['block_size'] == 524_288, path
+            assert c['min_lr'] == pytest.approx(c['learning_rate'] / 10), path
+
+
+def train_flops(model, seq_len, draws=2000):
+    """Training FLOPs per token averaged over the depths training draws (estimate_mfu at 1 token/s
+    against a 1 FLOP/s peak is the FLOPs of one trained token)."""
+    gen = torch.Generator().manual_seed(0)
+    return sum(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws)) / draws
+
+
+SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
+
+
+@pytest.mark.parametrize('path, reference, tolerance', [
+    ('config/huginn_small.py', 'config/grt_small.py', 0.01),
+    ('config/mor_small.py', 'config/grt_small.py', 0.03),
+    *[(f'config/shakespeare_char_{name}.py', f'config/shakespeare_char_{ref}.py', 0.03)
+      for name in SHAKESPEARE for ref in ('gpt', 'grt')],
+])
+def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
+    model, grt = config_model(path), config_model(reference)
+    seq_len = grt.config.block_size
+    assert model.config.block_size == seq_len and model.config.n_embd == grt.config.n_embd
+    assert train_flops(model, seq_len) == pytest.approx(train_flops(grt, seq_len), rel=tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# study.py's models (config/study.py is its recipe)
+
+
+@pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
+def test_study_models_match_dense_training_flops(name):
+    """isoFLOP and ladder runs cost the dense model's training FLOPs per token (within 3.5%)."""
+    dense = study.train_flops_per_token(study.model_of('gpt'))
+    assert abs(study.train_flops_per_token(study.model_of(name)) / dense - 1) < 0.035
+
+
+def test_isoparam_model_matches_dense_unique_blocks():
+    dense, deep = study.model_of('gpt'), study.model_of('grt_deep')
+    assert deep.config.n_layer == dense.config.n_layer  # 1 + 4 + 1 unique blocks against 6 layers
+    assert deep.num_block_passes(deep.config.n_recur) > dense.config.n_layer  # deeper at the same blocks
+
+
+@pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
+def test_study_models_are_the_shakespeare_char_configs(name):
+    """study.py's models have the layouts of config/shakespeare_char_<name>.py, at the recipe's width."""
+    c, recipe = read_config(f'config/shakespeare_char_{name}.py'), read_config(study.RECIPE)
+    assert {k: c[k] for k in study.MODELS[name]} == study.MODELS[name]
+    assert (recipe['n_embd'], recipe['n_head'], recipe['block_size']) == (c['n_embd'], c['n_head'], study.SEQ_LEN)
