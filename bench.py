@@ -770,7 +770,7 @@ EXIT_SWEEP = {'state': (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),  # thresholds, c
               'kl': (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03)}
 EXIT_SWEEP_WINDOWS = 64  # validation windows for the loss and the mean steps, decoded 8 at a time
 EXIT_TIMED_WINDOWS = 2  # of those, decoded one at a time for the batch-1 latency (the first 8: batch 8)
-EXIT_TIMING_REPEATS = 3  # the latencies are the fastest of this many runs (robust to other jobs' load)
+EXIT_TIMING_ROUNDS = 5  # latency: rounds over every setting in turn; a setting's figure is its fastest round
 EXIT_GOAL = dict(saving=0.30, loss_cost=0.01)  # issue 11: >= 30% fewer core steps at <= 0.01 nats
 
 
@@ -795,12 +795,20 @@ def exit_point(model, windows, prompt_len, device, batch_size, num_steps=None, e
     return {key: sum(run[key] for run in runs) / len(runs) for key in runs[0]}  # equal predictions a run
 
 
-def exit_latency(model, windows, prompt_len, device, batch_size, num_steps=None, early_exit=None):
-    """(decode ms per step, mean core steps) over windows at batch_size: the fastest of
-    EXIT_TIMING_REPEATS runs, so another job's burst of load does not land in the figure."""
-    runs = [exit_point(model, windows, prompt_len, device, batch_size, num_steps, early_exit)
-            for _ in range(EXIT_TIMING_REPEATS)]
-    return min(run['decode_ms'] for run in runs), runs[0]['mean_steps']
+def exit_latencies(model, windows, prompt_len, device, settings):
+    """Decode ms per step of every setting (num_steps, early_exit) at batch 1 (EXIT_TIMED_WINDOWS
+    windows one at a time) and batch 8 (the first 8 at once), with the mean core steps of the batch-1
+    run: EXIT_TIMING_ROUNDS rounds over all settings in turn, each figure the setting's fastest
+    round, so a burst of another job's load lands on every setting alike and rarely in a figure."""
+    best = [dict(ms_b1=float('inf'), ms_b8=float('inf')) for _ in settings]
+    for round_ in range(EXIT_TIMING_ROUNDS):
+        print(f"timing round {round_ + 1}/{EXIT_TIMING_ROUNDS} ...", file=sys.stderr, flush=True)
+        for figures, (num_steps, rule) in zip(best, settings):
+            b1 = exit_point(model, windows[:EXIT_TIMED_WINDOWS], prompt_len, device, 1, num_steps, rule)
+            b8 = exit_point(model, windows[:8], prompt_len, device, 8, num_steps, rule)
+            figures.update(ms_b1=min(figures['ms_b1'], b1['decode_ms']), ms_b8=min(figures['ms_b8'], b8['decode_ms']),
+                           mean_steps_b1=b1['mean_steps'])
+    return best
 
 
 def fixed_depth_loss(points, steps):
@@ -831,19 +839,19 @@ def exit_sweep(c, device, dtype):
         fail(f"prompt_len must be in 1..{length - 2}: the {length - 1}-token val windows need tokens to decode")
     settings = [dict(exit=None, threshold=None, num_steps=r) for r in range(1, R + 1)]
     settings += [dict(exit=exit, threshold=t, num_steps=None) for exit, ts in EXIT_SWEEP.items() for t in ts]
-    exit_point(model, windows[:1, :c['prompt_len'] + 4], c['prompt_len'], device, 1)  # warm-up
+    rules = [None if s['exit'] is None else EarlyExit(s['threshold'], c['min_steps'], s['exit']) for s in settings]
     points = []
-    for i, s in enumerate(settings):
-        rule = None if s['exit'] is None else EarlyExit(s['threshold'], c['min_steps'], s['exit'])
+    for i, (s, rule) in enumerate(zip(settings, rules)):
         label = f"r = {s['num_steps']}" if rule is None else f"{s['exit']} < {s['threshold']:g}"
-        print(f"[{i + 1}/{len(settings)}] {label} ...", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(settings)}] {label}: loss and steps ...", file=sys.stderr, flush=True)
         batch8 = exit_point(model, windows, c['prompt_len'], device, 8, s['num_steps'], rule)
-        ms_b8, _ = exit_latency(model, windows[:8], c['prompt_len'], device, 8, s['num_steps'], rule)
-        ms_b1, steps_b1 = exit_latency(model, windows[:EXIT_TIMED_WINDOWS], c['prompt_len'], device, 1,
-                                       s['num_steps'], rule)
         points.append(dict(s, min_steps=c['min_steps'] if rule else None, loss=batch8['loss'],
                            mean_steps=batch8['mean_steps'], steps_run_b8=batch8['steps_run'],
-                           probes_b8=batch8['probes'], ms_b8=ms_b8, mean_steps_b1=steps_b1, ms_b1=ms_b1))
+                           probes_b8=batch8['probes']))
+    latencies = exit_latencies(model, windows, c['prompt_len'], device, [(s['num_steps'], rule)
+                                                                          for s, rule in zip(settings, rules)])
+    for p, figures in zip(points, latencies):
+        p.update(figures)
     full = next(p for p in points if p['num_steps'] == R)
     for p in points:
         p['saving'] = 1 - p['mean_steps'] / R
@@ -879,8 +887,8 @@ def print_exit_sweep(result):
     print(f"(vs fixed: loss minus the fixed-depth curve's at the same mean steps, linear between r; 'kl' "
           f"probes cost {human(result['probe_flops'])} FLOPs each against {human(result['step_flops'])} a "
           f"core step; b1: the first {result['timed_windows']} windows one at a time; b8: the first 8 at once, "
-          f"the ms of a decode step of all 8 rows, which runs the slowest row's steps; latencies: fastest of "
-          f"{EXIT_TIMING_REPEATS} runs)")
+          f"the ms of a decode step of all 8 rows, which runs the slowest row's steps; latencies: the fastest of "
+          f"{EXIT_TIMING_ROUNDS} rounds over all settings)")
     goal = result['goal']
     print(f"goal (>= {100 * goal['saving']:.0f}% fewer steps at <= {goal['loss_cost']} nats, below fixed depth): "
           + (', '.join(goal['met']) if goal['met'] else 'not met'))

@@ -14,8 +14,8 @@ update (the paper's Eq. 2-5, all in GRT.recurrence_step), then a coda of unique 
 
 Read top to bottom: the configs, the Block every model is made of, LanguageModel (embeddings, tied
 head, loss, generation), GPT, RecurrentLM (prelude -> core loop -> coda, shared with the baselines
-in baselines.py), and GRT, which adds only its parameters and Eq. 2-5. The KV caches are in
-kv_cache.py; registry.py names every model type for the scripts.
+in baselines.py, and per-token early exit at inference), and GRT, which adds only its parameters
+and Eq. 2-5. The KV caches are in kv_cache.py; registry.py names every model type for the scripts.
 
 References: nanoGPT (Karpathy) for the GPT-2 side; the GRT paper for the recurrence.
 """

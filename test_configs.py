@@ -110,6 +110,16 @@ def test_paper_configs_keep_half_a_million_tokens_a_step():
             assert c['min_lr'] == pytest.approx(c['learning_rate'] / 10), path
 
 
+@pytest.mark.parametrize('dense, recurrent', [('gpt2_small', 'grt_small'), ('gpt2_medium', 'grt_medium'),
+                                              ('gpt2_large', 'grt_large')])
+def test_isoflop_twins_pass_through_as_many_blocks(dense, recurrent):
+    """The paper's isoFLOP layouts: p + c x R + k block passes at eval depth R = the dense layer count
+    (the gate and W_proj add 10 R d^2 on top), same width."""
+    gpt, grt = config_model(f'config/{dense}.py'), config_model(f'config/{recurrent}.py')
+    assert grt.num_block_passes(grt.config.n_recur) == gpt.config.n_layer
+    assert grt.config.n_embd == gpt.config.n_embd
+
+
 def train_flops(model, seq_len, draws=2000):
     """Training FLOPs per token averaged over the depths training draws (estimate_mfu at 1 token/s
     against a 1 FLOP/s peak is the FLOPs of one trained token)."""
@@ -123,6 +133,7 @@ SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
 @pytest.mark.parametrize('path, reference, tolerance', [
     ('config/huginn_small.py', 'config/grt_small.py', 0.01),
     ('config/mor_small.py', 'config/grt_small.py', 0.03),
+    ('config/shakespeare_char_grt.py', 'config/shakespeare_char_gpt.py', 0.02),  # the quick-start twins
     *[(f'config/shakespeare_char_{name}.py', f'config/shakespeare_char_{ref}.py', 0.03)
       for name in SHAKESPEARE for ref in ('gpt', 'grt')],
 ])
