@@ -59,7 +59,7 @@ DEFAULTS = dict(
     peer=False,  # training ms/iteration of a dense GPT and a FLOP-matched GRT at nanoGPT's CPU shapes
     peer_iters=150,  # --peer: timed iterations a run (rounded up to whole cycles of the GRT's depths 1..R)
     peer_warmup=20,  # --peer: untimed iterations first (allocator; compilation when compiled)
-    peer_repeats=3,  # --peer: runs per model and mode, dense and GRT alternating; the spread is over these
+    peer_repeats=3,  # --peer: runs per mode (fresh models each); the spread is over these
     gpu_check=False,  # CUDA only: train config/gpt2_small.py and config/grt_small.py briefly, then --scale=large
     exit='state',  # per-token early exit's criterion (recurrent models): 'state' or 'kl' (model.EarlyExit)
     exit_threshold=None,  # early exit below this criterion value in the decode timings; None = fixed depth
@@ -480,9 +480,11 @@ def decode_benchmark(c, device, dtype):
 #
 # nanoGPT's CPU example (shakespeare_char: block 64, batch 12, 4 layers, 4 heads, 128 wide, no
 # dropout) for the dense GPT, and a GRT 1 + 1x3 + 1 of the same width: r ~ Uniform{1..3} in training,
-# mean depth 2, so 4 block passes a token like the dense model, plus W_proj and the gate. Each run
-# cycles the GRT's depths 1, 2, ..., R; an iteration's time is the mean over one cycle (R iterations,
-# the dense model's too), and a run's figure is the median over its cycles after the warm-up.
+# mean depth 2, so 4 block passes a token like the dense model, plus W_proj and the gate. A run
+# trains both side by side, R iterations of one, then R of the other (the GRT once at each depth
+# 1..R), and times each such cycle: ms/iteration is the median over cycles, and the step ratio the
+# median of the GRT/dense ratios of adjacent cycles, which a machine shared with other work affects
+# far less than two runs one after the other.
 
 PEER_SHAPE = dict(block_size=64, vocab_size=65, n_embd=128, n_head=4, dropout=0.0)
 PEER_BATCH = 12
@@ -522,27 +524,37 @@ def peer_model(key):
     return build_model(fields.pop('model_type'), **PEER_SHAPE, **fields)
 
 
-def peer_run(model, iters, warmup, cycle, device, dtype):
-    """Median ms/iteration of one training run: warmup untimed iterations, then iters timed ones,
-    every cycle iterations running the depths 1..cycle once (a dense model has no depth)."""
+def peer_repeat(iters, warmup, cycle, device, dtype, compiled):
+    """One run: a fresh dense GPT and GRT trained side by side, a cycle of `cycle` iterations of one,
+    then of the other (the GRT at depths 1..cycle, once each), so load from other work on the
+    machine hits both alike. After warmup iterations (compilation, allocator), iters timed ones.
+    Returns ({model: median ms/iteration over its cycles}, median over cycles of the GRT's time over
+    the dense model's in the cycle just before)."""
     device_type = 'cuda' if device.startswith('cuda') else device
-    model.train()
-    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), device_type)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(PEER_SHAPE['vocab_size'], (PEER_BATCH, PEER_SHAPE['block_size'] + 1), generator=gen).to(device)
-    recurrent = isinstance(model, RecurrentLM)
+    runs = {}
+    for key in PEER_MODELS:
+        model = peer_model(key).to(device)
+        if compiled:
+            model.compile_regions()
+        model.train()
+        runs[key] = (model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), device_type))
     sync = synchronizer(device)
-    times = []
-    for i in range(warmup + iters):
-        num_steps = i % cycle + 1 if recurrent else None
-        sync()
-        t = time.perf_counter()
-        train_step(model, optimizer, x[:, :-1], x[:, 1:], num_steps, device_type, dtype)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    cycles = [sum(times[j:j + cycle]) / cycle for j in range(0, len(times), cycle)]
-    return 1000 * statistics.median(cycles)
+    cycle_ms = {key: [] for key in PEER_MODELS}
+    warmup_cycles = -(-warmup // cycle)
+    for i in range(warmup_cycles + iters // cycle):
+        for key, (model, optimizer) in runs.items():
+            depths = range(1, cycle + 1) if isinstance(model, RecurrentLM) else [None] * cycle
+            sync()
+            t = time.perf_counter()
+            for num_steps in depths:
+                train_step(model, optimizer, x[:, :-1], x[:, 1:], num_steps, device_type, dtype)
+            sync()
+            if i >= warmup_cycles:
+                cycle_ms[key].append(1000 * (time.perf_counter() - t) / cycle)
+    ratios = [grt / gpt for grt, gpt in zip(cycle_ms['grt'], cycle_ms['gpt'])]
+    return {key: statistics.median(ms) for key, ms in cycle_ms.items()}, statistics.median(ratios)
 
 
 def spread(values):
@@ -567,26 +579,24 @@ def peer_benchmark(c):
     modes = {}
     for dtype, compiled in peer_modes(c, device_type):
         label = f"{dtype} {'compiled' if compiled else 'eager'}"
-        print(f"peer: {label}, {c['peer_repeats']} x (gpt, grt), {c['peer_warmup']} + {iters} iterations each ...",
-              file=sys.stderr, flush=True)
+        print(f"peer: {label}, {c['peer_repeats']} runs of gpt and grt side by side, {c['peer_warmup']} + {iters} "
+              f"iterations each ...", file=sys.stderr, flush=True)
         if compiled:
             torch.compiler.reset()
         graphs_before = compiled_graph_count() if compiled else 0
-        runs = {key: [] for key in PEER_MODELS}
+        ms = {key: [] for key in PEER_MODELS}
+        step_ratios = []
         for _ in range(c['peer_repeats']):
-            for key in PEER_MODELS:  # alternating, so drift in the machine's load hits both alike
-                model = peer_model(key).to(device)
-                if compiled:
-                    model.compile_regions()
-                runs[key].append(peer_run(model, iters, c['peer_warmup'], cycle, device, dtype))
-                del model
-                free_memory(device)
-        step_ratios = [g / d for g, d in zip(runs['grt'], runs['gpt'])]  # paired: run i of each, back to back
+            run_ms, ratio = peer_repeat(iters, c['peer_warmup'], cycle, device, dtype, compiled)
+            for key in PEER_MODELS:
+                ms[key].append(run_ms[key])
+            step_ratios.append(ratio)
+            free_memory(device)
         step_ratio = statistics.median(step_ratios)
         modes[label] = dict(
-            gpt_ms=statistics.median(runs['gpt']), gpt_ms_spread=spread(runs['gpt']), gpt_ms_runs=runs['gpt'],
-            grt_ms=statistics.median(runs['grt']), grt_ms_spread=spread(runs['grt']), grt_ms_runs=runs['grt'],
-            step_ratio=step_ratio, step_ratio_spread=spread(step_ratios),
+            gpt_ms=statistics.median(ms['gpt']), gpt_ms_spread=spread(ms['gpt']), gpt_ms_runs=ms['gpt'],
+            grt_ms=statistics.median(ms['grt']), grt_ms_spread=spread(ms['grt']), grt_ms_runs=ms['grt'],
+            step_ratio=step_ratio, step_ratio_spread=spread(step_ratios), step_ratio_runs=step_ratios,
             ratio_per_flop=step_ratio / flop_ratio, ratio_per_flop_spread=[r / flop_ratio for r in spread(step_ratios)],
             graphs_compiled=compiled_graph_count() - graphs_before if compiled else None)
     cpu, flags = cpu_description()
@@ -606,8 +616,8 @@ def print_peer_table(result):
     f = result['flops_per_token']
     print(f"forward FLOPs/token at the mean training depth: gpt (4 layers) {human(f['gpt'])}, grt (1+1x3+1, "
           f"mean depth 2) {human(f['grt'])}: {result['flop_ratio']:.3f}x")
-    print(f"median [min-max] over {result['repeats']} runs of each run's median ms/iteration ({result['iters']} "
-          f"iterations after {result['warmup']} of warm-up); ratios over the paired runs")
+    print(f"median [min-max] over {result['repeats']} runs; a run: {result['iters']} iterations of each model after "
+          f"{result['warmup']} of warm-up, side by side in cycles of 3")
     print(f"{'mode':18s}{'gpt ms/iter':>24s}{'grt ms/iter':>24s}{'grt/gpt step':>24s}{'per FLOP':>24s}")
     for label, m in result['modes'].items():
         cells = [f"{m['gpt_ms']:.1f} [{m['gpt_ms_spread'][0]:.1f}-{m['gpt_ms_spread'][1]:.1f}]",
@@ -684,7 +694,7 @@ def train_check(config_path, data_root, out_dir, extra_args):
     records = [rec for rec in read_log(os.path.join(out_dir, 'log.jsonl')) if 'tokens' in rec and 'time_s' in rec]
     steady = records[1:]  # the first logged interval includes compilation
     tokens_per_s = mfu = None
-    if len(steady) >= 1 and len(records) >= 2:
+    if steady:
         seconds = records[-1]['time_s'] - records[0]['time_s']
         tokens_per_s = (records[-1]['tokens'] - records[0]['tokens']) / seconds if seconds > 0 else None
         mfus = [rec['mfu'] for rec in steady if rec.get('mfu') is not None]

@@ -9,6 +9,21 @@ import torch
 
 from registry import MODELS, preset
 
+
+os.environ['OMP_NUM_THREADS'] = '1'  # the scripts the tests start as subprocesses: one thread too
+
+
+@pytest.fixture(scope='session', autouse=True)
+def one_thread():
+    """Every test runs tiny models, which gain nothing from a second thread; on a loaded machine a
+    thread waiting at every op's barrier for a descheduled partner makes them many times slower
+    (torchrun's processes get OMP_NUM_THREADS=1 too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 62 characters
 
 

@@ -65,7 +65,7 @@ def build_model(model_type, **config_args):
     known = config_class.__dataclass_fields__
     foreign = sorted(set(config_args) - set(known))
     if foreign:
-        raise ValueError(f"{', '.join(foreign)} do not apply to model_type {model_type!r}; its fields are "
+        raise ValueError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to model_type {model_type!r}; its fields are "
                          f"{', '.join(known)}")
     return model_class(config_class(**config_args))
 

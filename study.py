@@ -55,7 +55,7 @@ DEFAULTS = dict(
     seeds=3,
     iters=800,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each; the default study fits 90 min
     depth_eval_iters=20,  # val batches (of the recipe's 12 x 64 tokens) per depth in the depth section
-    lr_grid='5e-4,1e-3,2e-3,4e-3',  # the tune section's learning rates
+    lr_grid='5e-4,1e-3,2e-3,4e-3,8e-3',  # the tune section's learning rates (the quick-start GRT's best is >= 4e-3)
     tune_seed=100,  # the tune section's one seed, apart from the seeds the tables report
 )
 RECIPE = 'config/study.py'
@@ -328,7 +328,8 @@ def tune_table(c, tuning):
     for model, losses in tuning.items():
         best = min(losses, key=losses.get)
         cells = [f"**{losses[lr]:.4f}**" if lr == best else f"{losses[lr]:.4f}" for lr in grid if lr in losses]
-        rows.append(f"| {model} | " + ' | '.join(cells) + f" | {best:g} |")
+        edge = ' (edge of the grid: widen it)' if best in (min(grid), max(grid)) else ''
+        rows.append(f"| {model} | " + ' | '.join(cells) + f" | {best:g}{edge} |")
     return rows
 
 

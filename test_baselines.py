@@ -105,10 +105,10 @@ def test_registered_and_built_from_config():
     ('huginn', dict(backprop_depth=0), 'backprop_depth >= 1'),
     ('mor', dict(n_prelude=0), 'unique first and last layers'),
     # a setting a model does not have is refused, not silently ignored
-    ('huginn', dict(gate_noise=0.2), "gate_noise do not apply to model_type 'huginn'"),
-    ('mor', dict(state_noise=0.1), "state_noise do not apply to model_type 'mor'"),
-    ('rung2', dict(state_noise=0.1), "state_noise do not apply to model_type 'rung2'"),
-    ('grt', dict(backprop_depth=3), "backprop_depth do not apply to model_type 'grt'"),
+    ('huginn', dict(gate_noise=0.2), "gate_noise does not apply to model_type 'huginn'"),
+    ('mor', dict(state_noise=0.1), "state_noise does not apply to model_type 'mor'"),
+    ('rung2', dict(state_noise=0.1), "state_noise does not apply to model_type 'rung2'"),
+    ('grt', dict(backprop_depth=3), "backprop_depth does not apply to model_type 'grt'"),
 ])
 def test_bad_configuration_raises_clear_error(model_type, fields, message):
     with pytest.raises(ValueError, match=message):

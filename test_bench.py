@@ -207,7 +207,7 @@ def test_peer_at_tiny_settings_gives_the_table_and_json(capsys):
     assert result['flops_per_token']['grt'] == result['flops_per_token']['gpt'] + 2 * 10 * 128 ** 2
     assert list(result['modes']) == ['float32 eager']
     m = result['modes']['float32 eager']
-    assert len(m['gpt_ms_runs']) == len(m['grt_ms_runs']) == 2
+    assert len(m['gpt_ms_runs']) == len(m['grt_ms_runs']) == len(m['step_ratio_runs']) == 2
     assert m['gpt_ms'] > 0 and m['grt_ms'] > 0 and m['step_ratio'] > 0 and m['ratio_per_flop'] > 0
     assert m['ratio_per_flop'] == pytest.approx(m['step_ratio'] / result['flop_ratio'])
     assert m['step_ratio_spread'][0] <= m['step_ratio'] <= m['step_ratio_spread'][1]

@@ -48,16 +48,6 @@ def test_config_builds_its_model_on_meta(path):
 # Two training steps of every config through train.main, widths shrunk, layouts kept
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from more threads, and on a loaded machine a second thread waiting at
-    every op's barrier makes these runs several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope='module')
 def data_root(tmp_path_factory):
     """data/tiny/: random characters over Tiny Shakespeare's 65-character vocabulary."""

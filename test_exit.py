@@ -18,15 +18,10 @@ V = len(CHARS)
 
 
 @pytest.fixture(scope='module', autouse=True)
-def inference_on_one_thread():
-    """Every forward here is inference on a tiny model: no autograd, and one thread (Python
-    overhead dominates; on a loaded machine two threads spin against each other for 100x longer).
-    Restored after this file, so other test files see torch's settings unchanged."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def inference_without_autograd():
+    """Every forward here is inference (one thread for every test: conftest.py)."""
     with torch.no_grad():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope='module')

@@ -58,6 +58,11 @@ def test_loss_ignores_index_minus_one(model):
     torch.testing.assert_close(loss, expected)
 
 
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+@pytest.mark.parametrize('prompt_len', [1, 7, 30])
 def test_cached_logits_equal_uncached(model, prompt_len):
     scramble(model, std=0.2)
     torch.manual_seed(3)

@@ -29,17 +29,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 16
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from a second thread, and on a loaded machine a thread waiting at
-    every op's barrier makes these runs several times slower (torchrun's processes get
-    OMP_NUM_THREADS=1 too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope='module')
 def data_root(tmp_path_factory):
     """data/tiny/: a Markov chain that mostly steps next = (3 * prev + 1) % 16, so it is learnable."""

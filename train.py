@@ -137,7 +137,7 @@ def requested_model(config, meta):
     if model_type or config['init_from'] != 'resume':
         foreign = sorted(set(explicit) - {f.name for f in fields(config_class)})
         if foreign:
-            fail(f"{', '.join(foreign)} do not apply to model_type {model_type or 'gpt'!r}; "
+            fail(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to model_type {model_type or 'gpt'!r}; "
                  f"remove them or set model_type")
     args.update(explicit)
     if 'vocab_size' not in explicit:
