@@ -23,18 +23,15 @@ tokens per recursion and is not traced.
 """
 
 import json
-import math
 import os
 import statistics
-import sys
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 import prepare_data
-from common import Batches, fail, load_model, rng_key
-from config import ConfigError, parse_config
+from common import Batches, fail, load_model, read_settings, rng_key
 from model import GRT, RecurrentLM
 from registry import build_model, model_type_of
 
@@ -289,10 +286,7 @@ def analyze(c):
 
 
 def main(argv=None):
-    try:
-        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        fail(e)
+    c = read_settings(DEFAULTS, argv)
     return analyze(c)
 
 

@@ -36,9 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import prepare_data
-from config import ConfigError, parse_config
-from common import (autocast_context, cpu_has_native_bf16, fail, load_model, measure_cpu_peak, peak_flops_for,
-                    pick_device, pick_dtype)
+from common import (autocast_context, cpu_has_native_bf16, fail, load_model, measure_cpu_peak,
+                    peak_flops_for, pick_device, pick_dtype, read_settings)
 from kv_cache import KV_MODES
 from model import EarlyExit, RecurrentLM
 from registry import MODELS, build_model, preset
@@ -960,10 +959,7 @@ def check_settings(c):
 
 
 def main(argv=None):
-    try:
-        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        fail(str(e))
+    c = read_settings(DEFAULTS, argv)
     check_settings(c)
     torch.manual_seed(0)
     try:

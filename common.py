@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from config import ConfigError, parse_config
 from registry import from_checkpoint
 
 GPU_PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('GH200', 989e12),
@@ -22,6 +23,15 @@ GPU_PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('G
 def fail(message):
     """Stop the script with one line that says what went wrong and what to do."""
     sys.exit(f"error: {message}")
+
+
+def read_settings(defaults, argv=None):
+    """A script's settings: its defaults, then the config files and --key=value arguments of argv
+    (the command line if None), read by config.parse_config; a bad one stops with one line."""
+    try:
+        return parse_config(defaults, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        fail(e)
 
 
 # -----------------------------------------------------------------------------

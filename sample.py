@@ -15,8 +15,7 @@ import sys
 import torch
 
 import prepare_data
-from config import ConfigError, parse_config
-from common import autocast_context, fail, load_model, pick_device, pick_dtype
+from common import autocast_context, fail, load_model, pick_device, pick_dtype, read_settings
 from model import EarlyExit, RecurrentLM
 
 DEFAULTS = dict(
@@ -114,10 +113,7 @@ class StreamDecoder:
 
 
 def main(argv=None):
-    try:
-        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        fail(str(e))
+    c = read_settings(DEFAULTS, argv)
     device = pick_device(c['device'], 0)
     device_type = 'cuda' if device.startswith('cuda') else device
     dtype = pick_dtype(c['dtype'], device_type)

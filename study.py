@@ -44,8 +44,7 @@ import torch
 from tqdm import tqdm
 
 import prepare_data
-from config import ConfigError, parse_config
-from common import Batches, fail, load_model, rng_key
+from common import Batches, fail, load_model, read_settings, rng_key
 from registry import build_model, from_checkpoint
 
 DEFAULTS = dict(
@@ -441,10 +440,7 @@ def tune(c, runs_dir):
 
 
 def main(argv=None):
-    try:
-        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        fail(e)
+    c = read_settings(DEFAULTS, argv)
     sections = [s for s in c['sections'].split(',') if s]
     known = (*SECTIONS, 'depth', 'bench', 'tune')
     unknown = [s for s in sections if s not in known]

@@ -36,9 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from config import ConfigError, parse_config
 from common import (Batches, autocast_context, fail, measure_cpu_peak, peak_flops_for, pick_device,
-                    pick_dtype, rng_key)
+                    pick_dtype, read_settings, rng_key)
 from model import GPT
 from registry import MODELS, PRESETS, build_model, from_checkpoint, model_type_of
 
@@ -706,10 +705,7 @@ def train(run, progress):
 
 def main(argv=None):
     """Train as the command line (or argv) says; return {'iter_num', 'best_val_loss', 'val_loss'}."""
-    try:
-        c = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        fail(e)
+    c = read_settings(DEFAULTS, argv)
     try:
         run, progress = setup(c)
     except KeyboardInterrupt:
