@@ -1,7 +1,19 @@
 """study.py's design claims that can be checked without running the study (the FLOP matching of its
 models is in test_configs.py)."""
 
+import json
+import math
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
 import study
+from conftest import save_checkpoint
+from prepare_data import write_tokens
 
 
 def test_every_section_names_known_models():
@@ -13,17 +25,6 @@ def test_every_section_names_known_models():
 # ---------------------------------------------------------------------------------------------
 # The fixed-layout ladder, learning-rate tuning, "clear" gaps, MoR's eval routing (no training: the
 # runs are faked, or a tiny checkpoint stands in for a trained one)
-
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from conftest import save_checkpoint  # noqa: E402
-from prepare_data import write_tokens  # noqa: E402
 
 
 def test_fixed_ladder_keeps_the_grt_layout():
@@ -78,21 +79,45 @@ def test_a_models_rate_reaches_train_py(tmp_path, monkeypatch):
     monkeypatch.setitem(study.LEARNING_RATES, 'grt', 2e-3)
     commands = []
 
-    def fake_run(cmd, stdout=None, stderr=None):
-        commands.append(cmd)
+    def fake_run(cmd, stdout=None, stderr=None, env=None):
+        commands.append((cmd, env))
         out = next(a for a in cmd if a.startswith('--out_dir=')).split('=', 1)[1]
         with open(os.path.join(out, 'log.jsonl'), 'w') as f:
             f.write(json.dumps(dict(iter=10, loss=2.0, tokens=7680, time_s=1.0, val_loss=2.1)) + '\n')
         return type('Done', (), {'returncode': 0})()
 
     monkeypatch.setattr(study.subprocess, 'run', fake_run)
-    c = dict(study.DEFAULTS, out_dir=str(tmp_path), iters=10)
+    monkeypatch.setattr(study.os, 'cpu_count', lambda: 8)
+    c = dict(study.DEFAULTS, out_dir=str(tmp_path), iters=10, jobs=2)
     result = study.run_training(c, 'grt', 1, 0, str(tmp_path))
-    assert '--learning_rate=0.002' in commands[0] and '--min_lr=0.0002' in commands[0]
+    assert '--learning_rate=0.002' in commands[0][0] and '--min_lr=0.0002' in commands[0][0]
+    assert commands[0][1]['OMP_NUM_THREADS'] == '4'  # 2 jobs share 8 cores
     assert result['lr'] == 2e-3 and os.path.isdir(tmp_path / 'grt-10it-lr0.002-s0')
     study.run_training(c, 'mor', 1, 0, str(tmp_path))  # no rate listed: the recipe's
-    assert not any(a.startswith(('--learning_rate', '--min_lr')) for a in commands[1])
+    assert not any(a.startswith(('--learning_rate', '--min_lr')) for a in commands[1][0])
     assert os.path.isdir(tmp_path / 'mor-10it-s0')
+
+
+def test_train_all_runs_jobs_at_once_and_keeps_the_order(tmp_path, monkeypatch):
+    """With 2 jobs two runs are in flight together; results come back in the order asked, whatever
+    order the runs finish in."""
+    in_flight, most = [], []
+    lock, both_started = threading.Lock(), threading.Barrier(2, timeout=10)
+
+    def fake_training(c, model, mult, seed, runs_dir, lr=None):
+        with lock:
+            in_flight.append(model)
+            most.append(len(in_flight))
+        both_started.wait()  # deadlocks (times out) unless two runs are in flight at once
+        time.sleep(0.05 if model == 'gpt' else 0)  # the first asked finishes last
+        with lock:
+            in_flight.remove(model)
+        return fake_result(model, mult, seed, lr, {'gpt': 2.0, 'grt': 2.1}[model])
+
+    monkeypatch.setattr(study, 'run_training', fake_training)
+    c = dict(study.DEFAULTS, out_dir=str(tmp_path), jobs=2)
+    results = study.train_all(c, [('gpt', 1, 0, None), ('grt', 1, 0, None)], str(tmp_path), 'test')
+    assert [r['model'] for r in results] == ['gpt', 'grt'] and max(most) == 2
 
 
 @pytest.fixture(scope='module')
