@@ -72,7 +72,7 @@ class NoisyRecurrence(RecurrentLM):
         self._finish_init()
 
     def recurrence_step(self, h, e, caches):
-        eps_x = torch.randn_like(h) * self.config.state_noise if self.training else 0.0
+        eps_x = self.noise(h, self.config.state_noise)
         return self.run_core(h + eps_x, caches)
 
 
@@ -85,7 +85,7 @@ class ReinjectedRecurrence(RecurrentLM):
         self._finish_init()
 
     def recurrence_step(self, h, e, caches):
-        eps_x = torch.randn_like(h) * self.config.state_noise if self.training else 0.0
+        eps_x = self.noise(h, self.config.state_noise)
         return self.run_core(self.proj(torch.cat([h + eps_x, e], dim=-1)), caches)
 
     def step_flops(self):

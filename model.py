@@ -461,6 +461,24 @@ class RecurrentLM(LanguageModel):
         """Forward FLOPs per token of one step beyond its n_core block passes (e.g. GRT's W_proj and gate)."""
         return 0
 
+    def compile_regions(self, **compile_kwargs):
+        """The blocks, each once (LanguageModel.compile_regions), and one step's own ops around its
+        core (for the GRT: Eq. 2's noise, concat and W_proj, Eq. 4-5's LayerNorms, f_g and update),
+        which eager runs as about 15 small kernels a step. The step's graph breaks at run_core, whose
+        blocks are compiled already, so it compiles in seconds whatever n_core is, and every r reuses
+        it. It costs nothing at the paper's widths and is the GRT's compiled per-FLOP overhead at small
+        ones (docs/benchmarks.md)."""
+        super().compile_regions(**compile_kwargs)
+        self.run_core = torch.compiler.disable(self.run_core, recursive=False)
+        self.recurrence_step = torch.compile(self.recurrence_step, **compile_kwargs)
+
+    @torch.compiler.disable
+    def noise(self, like, std):
+        """N(0, std^2) noise shaped like `like` in training, 0 in eval. Never compiled: torch's own
+        randn keeps a compiled step's noise equal to eager's (train.py seeds it per micro-step), and
+        Inductor's generated CPU randn made a small step 3x slower."""
+        return torch.randn_like(like) * std if self.training else 0.0
+
     def run_core(self, x, caches):
         """The shared core: n_core blocks, the same weights at every step."""
         for block, cache in zip(self.transformer.core, caches):
@@ -684,8 +702,8 @@ class GRT(RecurrentLM):
     def recurrence_step(self, h, e, caches):
         """One step of the gated recurrence, the paper's Eq. 2-5. h: state, e: prelude output."""
         c = self.config
-        eps_x = torch.randn_like(h) * c.state_noise if self.training else 0.0  # fresh every step
-        eps_g = torch.randn_like(h) * c.gate_noise if self.training else 0.0
+        eps_x = self.noise(h, c.state_noise)  # fresh every step, 0 in eval
+        eps_g = self.noise(h, c.gate_noise)
         u = self.proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2: u = W_proj [h + eps_x ; e]
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         g = torch.sigmoid(self.gate(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5

@@ -328,7 +328,8 @@ def test_compiled_grt_by_regions_never_recompiles_across_r():
     torch._dynamo.reset()
     model = tiny('tiny-grt', block_size=32)
     eager = tiny('tiny-grt', block_size=32)
-    model.compile_regions()
+    eager.load_state_dict(model.state_dict())
+    model.compile_regions()  # every block, and the step's W_proj, gate and update around its core
     idx = torch.randint(0, VOCAB, (2, 32))
     model.train()
     model(idx, idx, num_steps=2)[1].backward()  # first call compiles every region once
@@ -336,6 +337,12 @@ def test_compiled_grt_by_regions_never_recompiles_across_r():
         for r in (1, 4, 3, 7):
             _, loss = model(idx, idx, num_steps=r)
             loss.backward()
+    for m in (model, eager):  # training noise too: the compiled step draws it with torch's own randn
+        m.zero_grad()
+        torch.manual_seed(7)
+        m(idx, idx, num_steps=3)[1].backward()
+    torch.testing.assert_close(model.gate[-1].weight.grad, eager.gate[-1].weight.grad, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(model.proj.weight.grad, eager.proj.weight.grad, atol=1e-4, rtol=1e-3)
     model.eval()
     eager.eval()
     with torch.no_grad():
