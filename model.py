@@ -463,11 +463,11 @@ class RecurrentLM(LanguageModel):
 
     def compile_regions(self, **compile_kwargs):
         """The blocks, each once (LanguageModel.compile_regions), and one step's own ops around its
-        core (for the GRT: Eq. 2's noise, concat and W_proj, Eq. 4-5's LayerNorms, f_g and update),
-        which eager runs as about 15 small kernels a step. The step's graph breaks at run_core, whose
-        blocks are compiled already, so it compiles in seconds whatever n_core is, and every r reuses
-        it. It costs nothing at the paper's widths and is the GRT's compiled per-FLOP overhead at small
-        ones (docs/benchmarks.md)."""
+        core (for the GRT: Eq. 2's concat and W_proj, Eq. 5's LayerNorms and f_g, Eq. 4's update),
+        which eager runs as about 15 small kernels a step: at width 128 they made the compiled GRT
+        step 1.13x the dense one per FLOP (docs/benchmarks.md). The step's graph breaks at run_core,
+        whose blocks are compiled already, so it compiles in seconds whatever n_core is, and every r
+        reuses it."""
         super().compile_regions(**compile_kwargs)
         self.run_core = torch.compiler.disable(self.run_core, recursive=False)
         self.recurrence_step = torch.compile(self.recurrence_step, **compile_kwargs)
