@@ -195,8 +195,9 @@ def load_checkpoint(out_dir, ckpt):
     path = os.path.join(out_dir, ckpt)
     if not os.path.isfile(path):
         other = 'ckpt.pt' if ckpt == 'best.pt' else 'best.pt'
-        fail(f"no checkpoint at {path}; train one with `python train.py ... --out_dir={out_dir}`, or pick "
-             f"--ckpt={other} if that one exists")
+        if os.path.isfile(os.path.join(out_dir, other)):
+            fail(f"no checkpoint at {path}, but {other} is there: pick it with --ckpt={other}")
+        fail(f"no checkpoint at {path} (nor {other}); train one with `python train.py ... --out_dir={out_dir}`")
     return torch.load(path, map_location='cpu', weights_only=False)  # our own file: it holds the config too
 
 

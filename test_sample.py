@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import shutil
 import sys
 
 import pytest
@@ -156,8 +157,12 @@ def test_kv_mode_is_refused_where_it_does_not_apply():
 
 
 def test_clear_errors(grt_dir, tmp_path, capsys):
-    with pytest.raises(SystemExit, match=r'error: no checkpoint at .*nothing/best\.pt.*--ckpt=ckpt\.pt'):
+    with pytest.raises(SystemExit, match=r'error: no checkpoint at .*nothing/best\.pt \(nor ckpt\.pt\); train one'):
         run_sample(capsys, f'--out_dir={tmp_path / "nothing"}')
+    os.makedirs(tmp_path / 'latest_only')
+    shutil.copy(os.path.join(grt_dir, 'ckpt.pt'), tmp_path / 'latest_only' / 'ckpt.pt')
+    with pytest.raises(SystemExit, match=r'error: no checkpoint at .*best\.pt, but ckpt\.pt is there: pick it with --ckpt=ckpt\.pt'):
+        run_sample(capsys, f'--out_dir={tmp_path / "latest_only"}')
     with pytest.raises(SystemExit, match=r"error: .*'#'.*change --start"):
         run_sample(capsys, f'--out_dir={grt_dir}', '--start=to be # not')
     with pytest.raises(SystemExit, match='error: num_steps must be an integer >= 1'):
