@@ -55,7 +55,7 @@ DEFAULTS = dict(
     seeds=3,
     iters=800,  # iterations of one run (budget2x: twice); 12 x 64 = 768 tokens each; the default study fits 90 min
     depth_eval_iters=20,  # val batches (of the recipe's 12 x 64 tokens) per depth in the depth section
-    lr_grid='1e-3,2e-3,4e-3,8e-3',  # the tune section's learning rates (5e-4 was gpt's worst, 0.07 nats behind 1e-3)
+    lr_grid='1e-3,2e-3,4e-3,8e-3,1.6e-2',  # the tune section's rates (5e-4 was gpt's worst, 0.07 nats behind 1e-3)
     tune_seed=100,  # the tune section's one seed, apart from the seeds the tables report
     jobs=2,  # runs trained at once, each on an equal share of the cores: on 2 cores, two 1-thread runs
     # take about 1.15x the time of one 2-thread run (bf16, 128 wide), so 2 jobs finish the study 1.75x sooner
@@ -104,7 +104,11 @@ REFERENCE = {'isoflop': 'gpt', 'budget2x': 'gpt', 'isoparam': 'gpt', 'ladder': N
 TUNED = ('isoflop', 'isoparam', 'ladder', 'ladder_fixed')  # the sections whose models the tune section tunes
 # Each model's learning rate, chosen by `python study.py --sections=tune` (the lowest best val loss over
 # lr_grid, seed tune_seed, `iters` iterations); a model not listed trains at the recipe's 1e-3.
-LEARNING_RATES = {}
+LEARNING_RATES = {  # chosen 2026-12-01 (results/study/tune.md): every choice is inside the grid
+    'gpt': 4e-3, 'grt': 8e-3, 'huginn': 4e-3, 'mor': 8e-3, 'rung2': 4e-3, 'grt_deep': 4e-3,
+    'rung1': 4e-3, 'rung3': 2e-3, 'rung4': 4e-3,
+    'rung1_fixed': 8e-3, 'rung2_fixed': 4e-3, 'rung3_fixed': 2e-3, 'rung4_fixed': 4e-3,
+}
 
 
 def spec(name):
@@ -409,6 +413,9 @@ def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routi
     lines += ['## Models and FLOPs (sequence length 64, LM head excluded)', ''] + flops_table(names) + ['']
     if tuning:
         lines += ['## Learning rates (the tune section)', ''] + tune_table(c, tuning) + ['']
+    elif LEARNING_RATES:
+        lines += ['## Learning rates', '', "Each model's rate in LEARNING_RATES, chosen by `python study.py "
+                  "--sections=tune` (the grid and every loss: [tune.md](tune.md)); min_lr is a tenth of it.", '']
     for title, section, mult in (('isoFLOPs', 'isoflop', 1), ('Twice the tokens', 'budget2x', 2),
                                  ('isoParams', 'isoparam', 1), ('Ablation ladder, FLOP-matched', 'ladder', 1),
                                  ('Ablation ladder at the GRT layout (R = 5, 3 unique blocks)', 'ladder_fixed', 1)):
@@ -478,6 +485,8 @@ def main(argv=None):
     depth = {seed: depth_losses(c, runs_dir, seed) for seed in range(c['seeds'])} if 'depth' in sections else {}
     routing = {seed: mor_routing(c, runs_dir, seed) for seed in range(c['seeds'])} if 'isoflop' in sections else {}
     benches = {scale: run_bench(scale, c['out_dir']) for scale in ('small', 'large')} if 'bench' in sections else {}
+    if sections == ['tune']:  # tune.md is its report; RESULTS.md stays the last study's
+        return
     write_report(c, results, depth, benches, time.time() - t0, c['out_dir'], tuning, routing, sections)
     print(f"wrote {os.path.join(c['out_dir'], 'RESULTS.md')} in {(time.time() - t0) / 60:.1f} min")
 

@@ -66,7 +66,7 @@ def test_tune_picks_each_models_lowest_loss(tmp_path, monkeypatch):
     c = dict(study.DEFAULTS, out_dir=str(tmp_path), iters=10)
     tuning = study.tune(c, str(tmp_path / 'runs'))
     expected_models = {m for s in study.TUNED for m, _ in study.SECTIONS[s]}
-    assert set(tuning) == expected_models and len(calls) == 4 * len(expected_models)
+    assert set(tuning) == expected_models and len(calls) == 5 * len(expected_models)
     assert all(seed == c['tune_seed'] for _, seed, _, _ in calls)
     assert ('gpt', 100, 2e-3, 'gpt-10it-lr0.002-s100') in calls
     chosen = json.load(open(tmp_path / 'tune.json'))['chosen']
