@@ -76,7 +76,7 @@ def test_tune_picks_each_models_lowest_loss(tmp_path, monkeypatch):
 
 def test_a_models_rate_reaches_train_py(tmp_path, monkeypatch):
     """LEARNING_RATES[model] becomes --learning_rate and --min_lr (a tenth), and names the run."""
-    monkeypatch.setitem(study.LEARNING_RATES, 'grt', 2e-3)
+    monkeypatch.setattr(study, 'LEARNING_RATES', {'grt': 2e-3})
     commands = []
 
     def fake_run(cmd, stdout=None, stderr=None, env=None):
