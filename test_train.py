@@ -151,7 +151,10 @@ def test_two_process_gloo_run_matches_one_process(data_root, tmp_path):
 def test_ctrl_c_saves_and_resume_rewrites_the_log(data_root, tmp_path):
     args = tiny_args(data_root, tmp_path, 'gpt', max_iters=100000, lr_decay_iters=100, eval_interval=100000)
     proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
+                            # a shell that started pytest in the background ignores SIGINT, and its children
+                            # inherit that: give train.py Ctrl-C back, as a terminal would
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log_path = tmp_path / 'log.jsonl'
     deadline = time.time() + 600  # only against a hang: a loaded machine may take minutes
     while proc.poll() is None and time.time() < deadline and not (
