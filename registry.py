@@ -56,17 +56,24 @@ def preset(name, **overrides):
     return model_type, MODELS[model_type][0](**args)
 
 
+def foreign_fields(model_type, config_args):
+    """'a, b do not apply to model_type ...' for the config_args the type's config does not have,
+    else None."""
+    foreign = sorted(set(config_args) - set(MODELS[model_type][0].__dataclass_fields__))
+    if foreign:
+        return f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to model_type {model_type!r}"
+    return None
+
+
 def build_model(model_type, **config_args):
     """A fresh model of a registered type from config fields; a field the type does not have is
     refused with one line."""
     if model_type not in MODELS:
         raise ValueError(f"unknown model_type {model_type!r}; known: {', '.join(MODELS)}")
     config_class, model_class = MODELS[model_type]
-    known = config_class.__dataclass_fields__
-    foreign = sorted(set(config_args) - set(known))
+    foreign = foreign_fields(model_type, config_args)
     if foreign:
-        raise ValueError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to model_type {model_type!r}; its fields are "
-                         f"{', '.join(known)}")
+        raise ValueError(f"{foreign}; its fields are {', '.join(config_class.__dataclass_fields__)}")
     return model_class(config_class(**config_args))
 
 

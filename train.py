@@ -39,7 +39,7 @@ import prepare_data
 from common import (Batches, autocast_context, fail, measure_cpu_peak, peak_flops_for, pick_device,
                     pick_dtype, read_settings, rng_key)
 from model import GPT
-from registry import MODELS, PRESETS, build_model, from_checkpoint, model_type_of
+from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
 # Settings (every key a config file or --key=value may set)
@@ -134,10 +134,9 @@ def requested_model(config, meta):
         if f.name in explicit and f.default not in (None, MISSING) and not _same_type(explicit[f.name], f.default):
             fail(f"config key {f.name!r} must be {type(f.default).__name__}, got {explicit[f.name]!r}")
     if model_type or config['init_from'] != 'resume':
-        foreign = sorted(set(explicit) - {f.name for f in fields(config_class)})
+        foreign = foreign_fields(model_type or 'gpt', explicit)
         if foreign:
-            fail(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to model_type {model_type or 'gpt'!r}; "
-                 f"remove them or set model_type")
+            fail(f"{foreign}; remove them or set model_type")
     args.update(explicit)
     if 'vocab_size' not in explicit:
         args['vocab_size'] = meta['vocab_size']  # the dataset's vocabulary over any preset's
