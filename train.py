@@ -25,8 +25,11 @@ import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, fields
 
 import numpy as np
@@ -638,6 +641,24 @@ def open_log(run, iter_num):
 # Training
 
 
+@contextmanager
+def ctrl_c_between_iterations():
+    """Within it, Ctrl-C (SIGINT) sets the yielded event instead of interrupting, and train stops at
+    the next iteration boundary: a checkpoint then never holds weights a step ahead of its iter_num,
+    nor a log one missing the iteration before it. Where SIGINT is ignored or handled by someone
+    else, or off the main thread, nothing changes."""
+    interrupted = threading.Event()
+    install = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if install:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        if install:
+            signal.signal(signal.SIGINT, previous)
+
+
 def train(run, progress):
     """Steps until max_iters: a log line every log_interval iterations; evaluation, best.pt (if
     better) and ckpt.pt every eval_interval and at max_iters; ckpt.pt on Ctrl-C. Returns the last
@@ -649,46 +670,49 @@ def train(run, progress):
     losses, since_log, window_depths = None, 0, []
     progress.started = t_log = time.time()
     batch = train_batch(run, progress.iter_num, 0)
-    try:
-        while progress.iter_num < c['max_iters']:
-            lr = get_lr(progress.iter_num, c)
-            loss, depths, batch = train_step(run, progress.iter_num, batch, lr)
-            progress.iter_num += 1
-            progress.tokens += run.tokens_per_iter
-            since_log += 1
-            window_depths += depths
-            if run.compiled and since_log == 1:
-                bar.set_description('train', refresh=False)
-            bar.update(1)
-            last = progress.iter_num == c['max_iters']
-            evaluating = progress.iter_num % c['eval_interval'] == 0 or last
-            if progress.iter_num % c['log_interval'] and not evaluating:
-                continue  # no host-device sync on the other iterations
-            dt = (time.time() - t_log) / since_log
-            record = log_record(run, progress, loss, lr, depths, window_depths, dt)
-            postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{run.tokens_per_iter / dt:,.0f}")
-            if record['mfu'] is not None:
-                postfix['mfu'] = f"{100 * record['mfu']:.1f}%"
-            bar.set_postfix(postfix, refresh=False)
-            if last:
-                bar.close()  # the final evaluation and checkpoint say so on lines of their own
-            if evaluating:
-                losses = evaluate_and_save(run, progress, None if last else bar)
-                record.update(val_loss=losses['val'], eval_train_loss=losses['train'])
-            if log:
-                log.write(json.dumps(record) + '\n')
-                log.flush()
-            since_log, window_depths, t_log = 0, [], time.time()
-    except KeyboardInterrupt:
-        bar.close()
-        if run.master:
-            if progress.iter_num > 0 and all(torch.isfinite(p).all() for p in run.model.parameters()):
-                print(f"\ninterrupted at iteration {progress.iter_num}: saving {run.ckpt_path} ...", flush=True)
-                save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
-                print(f"saved {run.ckpt_path}; continue with --init_from=resume")
-            else:
-                print(f"\ninterrupted at iteration {progress.iter_num}: nothing saved")
-        sys.exit(130)
+    with ctrl_c_between_iterations() as interrupted:
+        try:
+            while progress.iter_num < c['max_iters']:
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
+                lr = get_lr(progress.iter_num, c)
+                loss, depths, batch = train_step(run, progress.iter_num, batch, lr)
+                progress.iter_num += 1
+                progress.tokens += run.tokens_per_iter
+                since_log += 1
+                window_depths += depths
+                if run.compiled and since_log == 1:
+                    bar.set_description('train', refresh=False)
+                bar.update(1)
+                last = progress.iter_num == c['max_iters']
+                evaluating = progress.iter_num % c['eval_interval'] == 0 or last
+                if progress.iter_num % c['log_interval'] and not evaluating:
+                    continue  # no host-device sync on the other iterations
+                dt = (time.time() - t_log) / since_log
+                record = log_record(run, progress, loss, lr, depths, window_depths, dt)
+                postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{run.tokens_per_iter / dt:,.0f}")
+                if record['mfu'] is not None:
+                    postfix['mfu'] = f"{100 * record['mfu']:.1f}%"
+                bar.set_postfix(postfix, refresh=False)
+                if last:
+                    bar.close()  # the final evaluation and checkpoint say so on lines of their own
+                if evaluating:
+                    losses = evaluate_and_save(run, progress, None if last else bar)
+                    record.update(val_loss=losses['val'], eval_train_loss=losses['train'])
+                if log:
+                    log.write(json.dumps(record) + '\n')
+                    log.flush()
+                since_log, window_depths, t_log = 0, [], time.time()
+        except KeyboardInterrupt:
+            bar.close()
+            if run.master:
+                if progress.iter_num > 0 and all(torch.isfinite(p).all() for p in run.model.parameters()):
+                    print(f"\ninterrupted at iteration {progress.iter_num}: saving {run.ckpt_path} ...", flush=True)
+                    save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
+                    print(f"saved {run.ckpt_path}; continue with --init_from=resume")
+                else:
+                    print(f"\ninterrupted at iteration {progress.iter_num}: nothing saved")
+            sys.exit(130)
     bar.close()
     if log:
         log.close()
