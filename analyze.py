@@ -58,30 +58,33 @@ DEFAULTS = dict(
 def trace(model):
     """Record, for the forward passes run inside the block: 'e' (the prelude output), 'states'
     ([h_0, h_1, ..., h_r], each (B, T, d)) and, for a GRT, 'gates' ([g_1, ..., g_r], the gate values
-    of Eq. 5 at each step). recurrence_step is wrapped on this instance only, the gate read by a
-    forward hook on f_g: GRT's code stays Eq. 2-5 as written."""
+    of Eq. 5 at each step). step_inputs and recurrence_step are wrapped on this instance only, the
+    gate read by a forward hook on f_g's last Linear: GRT's code stays Eq. 2-5 as written."""
     if not isinstance(model, RecurrentLM):
         raise TypeError(f"{type(model).__name__} has no recurrence to trace")
     record = dict(e=None, states=[], gates=[])
-    step = model.recurrence_step
+    step_inputs, step = model.step_inputs, model.recurrence_step
+
+    def recording_inputs(e):
+        record['e'] = e
+        return step_inputs(e)
 
     def recording_step(h, e, caches):
         if not record['states']:
-            record['e'] = e
             record['states'].append(h)
         h = step(h, e, caches)
         record['states'].append(h)
         return h
 
-    model.recurrence_step = recording_step
+    model.step_inputs, model.recurrence_step = recording_inputs, recording_step
     hook = None
     if isinstance(model, GRT):  # f_g's output is the gate's logit; eval has no eps_g: g = sigmoid(logit / tau)
-        hook = model.gate.register_forward_hook(
+        hook = model.gate[-1].register_forward_hook(
             lambda module, inputs, logit: record['gates'].append(torch.sigmoid(logit / model.config.gate_tau)))
     try:
         yield record
     finally:
-        del model.recurrence_step  # back to the class's method
+        del model.step_inputs, model.recurrence_step  # back to the class's methods
         if hook is not None:
             hook.remove()
 
