@@ -720,8 +720,8 @@ class GRT(RecurrentLM):
     def step_inputs(self, e):
         """Eq. 2 and Eq. 5 read e at every step through the same maps, so their e terms are computed
         once per forward, not r times: W_proj [a ; e] = (W_proj's a columns) a + (W_proj's e columns)
-        e + bias (half_linear), and f_g's first Linear on [LN(h) ; LN(e)] splits the same way. At width
-        128 this made a training step 4% faster (docs/benchmarks.md)."""
+        e + bias (half_linear), and f_g's first Linear on [LN(h) ; LN(e)] splits the same way. With
+        Eq. 4 as one lerp, this made a width-128 training step about 4% faster (docs/benchmarks.md)."""
         return half_linear(self.proj, e, 1), half_linear(self.gate[0], self.ln_e(e), 1)
 
     def recurrence_step(self, h, e, caches):
@@ -735,7 +735,8 @@ class GRT(RecurrentLM):
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         f_g = self.gate[2](self.gate[1](half_linear(self.gate[0], self.ln_h(h), 0) + e_gate))  # f_g([LN(h) ; LN(e)])
         g = torch.sigmoid(f_g / c.gate_tau + eps_g)  # Eq. 5
-        return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))  # Eq. 4: g * h + (1 - g) * o, one kernel; g near 1 keeps h
+        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (autocast may make o, g bf16)
+        return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))
 
     def step_flops(self):
         """W_proj (2 * 2d^2) and the gate's f_g (2 * 3d^2) per token and step, as the paper counts

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from model import GPT, GPTConfig, GRTConfig
@@ -166,6 +167,31 @@ def test_grt_training_noise_is_where_the_equations_put_it():
     expected = reference_grt_logits(model, idx, 3, noise=lambda h: (torch.randn_like(h) * 0.3,
                                                                       torch.randn_like(h) * 0.7))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grt_training_gradients_equal_the_written_out_equations():
+    """step_inputs and half_linear split W_proj and f_g's first Linear by halves: the gradients of
+    every weight (the halves of one Linear meet in its .grad) equal the concatenated form's."""
+    model = scramble(tiny('tiny-grt', n_core=2), std=0.1).train()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    grads = []
+    for forward in (lambda: logits_all(model, idx, num_steps=3),
+                    lambda: reference_grt_logits(model, idx, 3, noise=lambda h: (torch.randn_like(h) * 0.1,
+                                                                                 torch.randn_like(h) * 0.1))):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(9)
+        forward().square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_half_linear_halves_add_up_to_the_linear_on_the_concatenation():
+    from model import half_linear
+    linear = nn.Linear(16, 8)
+    a, b = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    torch.testing.assert_close(half_linear(linear, a, 0) + half_linear(linear, b, 1), linear(torch.cat([a, b], -1)))
 
 
 def test_grt_train_mode_is_noisy_and_eval_deterministic():

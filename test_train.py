@@ -355,6 +355,16 @@ def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(monkeypatch, capsys
     assert capsys.readouterr().err == ''
 
 
+def test_auto_dtype_on_a_cpu_picks_bf16_only_for_wide_models(monkeypatch):
+    monkeypatch.setattr(common, 'cpu_has_native_bf16', lambda: True)
+    wide, narrow = common.CPU_BF16_MIN_WIDTH, common.CPU_BF16_MIN_WIDTH - 1
+    assert common.pick_dtype('auto', 'cpu', n_embd=wide) == 'bfloat16'
+    assert common.pick_dtype('auto', 'cpu', n_embd=narrow) == 'float32'  # the quick start's width 128 too
+    assert common.pick_dtype('bfloat16', 'cpu', n_embd=narrow) == 'bfloat16'  # a forced dtype stands
+    monkeypatch.setattr(common, 'cpu_has_native_bf16', lambda: False)
+    assert common.pick_dtype('auto', 'cpu', n_embd=wide) == 'float32'
+
+
 @pytest.mark.parametrize('model', ['gpt', 'grt'])
 def test_memory_estimate_against_an_independent_count(model):
     B, T, d, a, V = 4, 16, 32, 2, VOCAB

@@ -139,7 +139,7 @@ def requested_model(config, meta):
     if model_type or config['init_from'] != 'resume':
         foreign = foreign_fields(model_type or 'gpt', explicit)
         if foreign:
-            fail(f"{foreign}; remove them or set model_type")
+            fail(f"{foreign}; leave out what does not apply, or set model_type")
     args.update(explicit)
     if 'vocab_size' not in explicit:
         args['vocab_size'] = meta['vocab_size']  # the dataset's vocabulary over any preset's
@@ -415,13 +415,13 @@ def setup(c):
             fail(f"{key} must be >= 1, got {c[key]}")
     ddp, rank, local_rank, world, device = start_processes(c)
     device_type = device.split(':')[0]
-    dtype = pick_dtype(c['dtype'], device_type, warn=rank == 0)
     train_shards, val_shards, meta = load_dataset(c['data_dir'], c['dataset'], rank == 0)
     ckpt_path = os.path.join(c['out_dir'], 'ckpt.pt')
     if rank == 0:
         print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
             c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
     model, checkpoint = init_model(c, meta, ckpt_path)
+    dtype = pick_dtype(c['dtype'], device_type, warn=rank == 0, n_embd=model.config.n_embd)
     block_size = c['block_size'] or model.config.block_size  # may be shorter than a GPT-2's 1024
     if block_size > model.config.block_size:
         fail(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower it")
