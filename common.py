@@ -59,7 +59,7 @@ def cpu_has_native_bf16():
     return bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16'})
 
 
-CPU_BF16_MIN_WIDTH = 384  # below it, CPU bf16 autocast trained slower than fp32 even with AMX (README)
+CPU_BF16_MIN_WIDTH = 384  # below it, CPU bf16 autocast trained slower than fp32 even with AMX (docs/training.md)
 
 
 def pick_dtype(name, device_type, warn=True, n_embd=None):

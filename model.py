@@ -3,7 +3,8 @@ The GPT-2 baseline and the Gated Recurrent Transformer (GRT), side by side.
 
 Both models are built from the same Block (pre-LN attention + MLP). GPT stacks n_layer unique
 blocks. GRT runs a prelude of unique blocks, then one shared core of blocks R times under a gated
-update (the paper's Eq. 2-5, all in GRT.recurrence_step), then a coda of unique blocks:
+update (the paper's Eq. 2-5, all in GRT.recurrence_step; their terms in e alone are the same at
+every step, so GRT.step_inputs computes them once), then a coda of unique blocks:
 
     e = Prelude(wte(x) + wpe(pos));  h = e
     repeat r times:  u = W_proj [h + eps_x ; e]                         (Eq. 2)
@@ -457,7 +458,8 @@ class RecurrentLM(LanguageModel):
         super()._finish_init(residual_depth or self.num_block_passes(self.config.n_recur))
 
     def recurrence_step(self, h, e, caches):
-        """One step: the new state from the state h and the prelude output e (the subclass's method)."""
+        """One step: the new state from the state h and e, what step_inputs made of the prelude
+        output (the output itself unless a subclass says otherwise). The subclass's method."""
         raise NotImplementedError
 
     def step_flops(self):
@@ -466,11 +468,11 @@ class RecurrentLM(LanguageModel):
 
     def compile_regions(self, **compile_kwargs):
         """The blocks, each once (LanguageModel.compile_regions), and one step's own ops around its
-        core (for the GRT: Eq. 2's concat and W_proj, Eq. 5's LayerNorms and f_g, Eq. 4's update),
-        which eager runs as about 15 small kernels a step: at width 128 they made the compiled GRT
-        step 1.13x the dense one per FLOP (docs/benchmarks.md). The step's graph breaks at run_core,
-        whose blocks are compiled already, so it compiles in seconds whatever n_core is, and every r
-        reuses it."""
+        core (for the GRT: Eq. 2's W_proj on h + eps_x, Eq. 5's LN(h) and f_g, Eq. 4's update), a dozen
+        small kernels a step in eager; compiling only the blocks left the compiled GRT step slower at
+        width 128 (docs/benchmarks.md). The step's graph breaks at run_core, whose blocks are
+        compiled already, and at the noise, drawn by torch's own generator; so it compiles in seconds
+        whatever n_core is, and every r reuses it. step_inputs runs once a forward, uncompiled."""
         super().compile_regions(**compile_kwargs)
         self.run_core = torch.compiler.disable(self.run_core, recursive=False)
         self.noise = torch.compiler.disable(self.noise)
@@ -692,19 +694,21 @@ class RecurrentLM(LanguageModel):
 # The Gated Recurrent Transformer
 
 
-def half_linear(linear, x, half):
-    """One half of a Linear(2d, d) applied to a concatenation: linear([a ; b]) equals
-    half_linear(linear, a, 0) + half_linear(linear, b, 1), the bias in the second half."""
-    d = x.size(-1)
-    if half == 0:
-        return F.linear(x, linear.weight[:, :d])
-    return F.linear(x, linear.weight[:, d:], linear.bias)
+def left_half(linear, a):
+    """A Linear(2d, d) on a concatenation [a ; b] is left_half(linear, a) + right_half(linear, b):
+    its first d columns times a, plus its last d columns times b and the bias."""
+    return F.linear(a, linear.weight[:, :a.size(-1)])
+
+
+def right_half(linear, b):
+    return F.linear(b, linear.weight[:, -b.size(-1):], linear.bias)
 
 
 class GRT(RecurrentLM):
     """RecurrentLM with the paper's gated step: W_proj re-injects the prelude output e into the
     noisy state, the shared core transforms it, and a gate keeps or rewrites the state per token
-    and channel."""
+    and channel. proj and gate[0] are never called as modules (their halves are applied by
+    left_half and right_half), so a forward hook on them never fires; gate[-1]'s output is f_g."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -718,28 +722,33 @@ class GRT(RecurrentLM):
         nn.init.constant_(self.gate[-1].bias, config.gate_bias)
 
     def step_inputs(self, e):
-        """Eq. 2 and Eq. 5 read e at every step through the same maps, so their e terms are computed
-        once per forward, not r times: W_proj [a ; e] = (W_proj's a columns) a + (W_proj's e columns)
-        e + bias (half_linear), and f_g's first Linear on [LN(h) ; LN(e)] splits the same way. With
-        Eq. 4 as one lerp, this made a width-128 training step about 4% faster (docs/benchmarks.md)."""
-        return half_linear(self.proj, e, 1), half_linear(self.gate[0], self.ln_e(e), 1)
+        """The terms of Eq. 2 and Eq. 5 that read e alone, the same at every step, so computed once
+        per forward instead of r times: W_proj's e columns times e (right_half), and f_g's first
+        Linear on LN(e). Two steps of W_proj, gate and update (forward and backward) took 7.5 ms
+        instead of 9.2 at width 128, this and Eq. 4's lerp together (docs/benchmarks.md)."""
+        return right_half(self.proj, e), right_half(self.gate[0], self.ln_e(e))
 
-    def recurrence_step(self, h, e, caches):
-        """One step of the gated recurrence, the paper's Eq. 2-5. h: the state; e: the prelude
-        output's two terms that are the same at every step (step_inputs)."""
+    def recurrence_step(self, h, e_terms, caches):
+        """One step of the gated recurrence, the paper's Eq. 2-5. h: the state; e_terms: the prelude
+        output e's terms of Eq. 2 and 5 (step_inputs)."""
         c = self.config
-        e_proj, e_gate = e
+        e_proj, e_gate = e_terms
         eps_x = self.noise(h, c.state_noise)  # fresh every step, 0 in eval
         eps_g = self.noise(h, c.gate_noise)
-        u = half_linear(self.proj, h + eps_x, 0) + e_proj  # Eq. 2: u = W_proj [h + eps_x ; e]
+        u = left_half(self.proj, h + eps_x) + e_proj  # Eq. 2: u = W_proj [h + eps_x ; e]
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
-        f_g = self.gate[2](self.gate[1](half_linear(self.gate[0], self.ln_h(h), 0) + e_gate))  # f_g([LN(h) ; LN(e)])
-        g = torch.sigmoid(f_g / c.gate_tau + eps_g)  # Eq. 5
+        g = torch.sigmoid(self.f_g(h, e_gate) / c.gate_tau + eps_g)  # Eq. 5
         # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (autocast may make o, g bf16)
         return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))
 
+    def f_g(self, h, e_gate):
+        """f_g([LN(h) ; LN(e)]) of Eq. 5, Linear(2d, d) -> SiLU -> Linear(d, d), given e_gate, the
+        first Linear's LN(e) term (step_inputs)."""
+        return self.gate[2](self.gate[1](left_half(self.gate[0], self.ln_h(h)) + e_gate))
+
     def step_flops(self):
         """W_proj (2 * 2d^2) and the gate's f_g (2 * 3d^2) per token and step, as the paper counts
-        them (step_inputs computes the e halves, 4d^2 of them, once per forward instead)."""
+        them (step_inputs computes the e halves, 4d^2 of them, once per forward instead, so a GRT runs
+        4 (r - 1) d^2 a token fewer than flops_per_token counts)."""
         d = self.config.n_embd
         return 10 * d * d

@@ -116,12 +116,13 @@ def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     device = pick_device(c['device'], 0)
     device_type = 'cuda' if device.startswith('cuda') else device
+    pick_dtype(c['dtype'], device_type)  # a wrong dtype stops (a slow one warns) before any download
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
     model, checkpoint = load_model(c['init_from'], c['out_dir'], device, c['ckpt'])
-    dtype = pick_dtype(c['dtype'], device_type, n_embd=model.config.n_embd)
+    dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
     if checkpoint is not None:  # which weights: best.pt (best val loss) or ckpt.pt (the latest)
         val = f", val loss {checkpoint['val_loss']:.4f}" if checkpoint.get('val_loss') is not None else ''
         print(f"sampling from {os.path.join(c['out_dir'], c['ckpt'])} (iteration {checkpoint.get('iter_num', '?')}"

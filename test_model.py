@@ -170,7 +170,7 @@ def test_grt_training_noise_is_where_the_equations_put_it():
 
 
 def test_grt_training_gradients_equal_the_written_out_equations():
-    """step_inputs and half_linear split W_proj and f_g's first Linear by halves: the gradients of
+    """step_inputs, left_half and right_half split W_proj and f_g's first Linear: the gradients of
     every weight (the halves of one Linear meet in its .grad) equal the concatenated form's."""
     model = scramble(tiny('tiny-grt', n_core=2), std=0.1).train()
     idx = torch.randint(0, VOCAB, (2, 12))
@@ -187,11 +187,11 @@ def test_grt_training_gradients_equal_the_written_out_equations():
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_half_linear_halves_add_up_to_the_linear_on_the_concatenation():
-    from model import half_linear
+def test_left_and_right_halves_add_up_to_the_linear_on_the_concatenation():
+    from model import left_half, right_half
     linear = nn.Linear(16, 8)
     a, b = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
-    torch.testing.assert_close(half_linear(linear, a, 0) + half_linear(linear, b, 1), linear(torch.cat([a, b], -1)))
+    torch.testing.assert_close(left_half(linear, a) + right_half(linear, b), linear(torch.cat([a, b], -1)))
 
 
 def test_grt_train_mode_is_noisy_and_eval_deterministic():

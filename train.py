@@ -237,7 +237,7 @@ def memory_estimate(model, batch_size, block_size, dtype, attention_matrix=False
                    do not store it. Logits: B T V x (2 or 4 bytes + 4 for the fp32 log-softmax that
                    cross_entropy keeps).
 
-    Not counted: GRT's W_proj and gate (about 10 B T d values a step), the embeddings' output,
+    Not counted: GRT's W_proj, gate and update (about 8 B T d values a step), the embeddings' output,
     temporaries, the CUDA context and allocator slack (together typically 1-3 GB on a GPU)."""
     c = model.config
     B, T, d, a, V = batch_size, block_size, c.n_embd, c.n_head, c.vocab_size
@@ -415,13 +415,14 @@ def setup(c):
             fail(f"{key} must be >= 1, got {c[key]}")
     ddp, rank, local_rank, world, device = start_processes(c)
     device_type = device.split(':')[0]
+    pick_dtype(c['dtype'], device_type, warn=rank == 0)  # a wrong dtype stops (a slow one warns) before any download
     train_shards, val_shards, meta = load_dataset(c['data_dir'], c['dataset'], rank == 0)
     ckpt_path = os.path.join(c['out_dir'], 'ckpt.pt')
     if rank == 0:
         print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
             c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
     model, checkpoint = init_model(c, meta, ckpt_path)
-    dtype = pick_dtype(c['dtype'], device_type, warn=rank == 0, n_embd=model.config.n_embd)
+    dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
     block_size = c['block_size'] or model.config.block_size  # may be shorter than a GPT-2's 1024
     if block_size > model.config.block_size:
         fail(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower it")
