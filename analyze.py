@@ -56,7 +56,7 @@ DEFAULTS = dict(
 
 @contextmanager
 def trace(model):
-    """Record, for the forward passes run inside the block: 'e' (the prelude output), 'states'
+    """Record, for the forward passes run inside the block: 'e' (the prelude output, of the last pass), 'states'
     ([h_0, h_1, ..., h_r], each (B, T, d)) and, for a GRT, 'gates' ([g_1, ..., g_r], the gate values
     of Eq. 5 at each step). step_inputs and recurrence_step are wrapped on this instance only, the
     gate read by a forward hook on f_g's last Linear: GRT's code stays Eq. 2-5 as written."""

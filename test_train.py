@@ -174,6 +174,33 @@ def test_ctrl_c_saves_and_resume_rewrites_the_log(data_root, tmp_path):
     assert not glob.glob(str(tmp_path / '*.tmp'))
 
 
+def test_ctrl_c_under_torchrun_stops_every_rank_at_one_iteration_and_saves(data_root, tmp_path):
+    """Ctrl-C in a terminal reaches torchrun and both workers (one process group), and torchrun passes
+    it on again: the ranks agree on one iteration to stop at, rank 0 saves, and nobody hangs in an
+    all-reduce the other rank has left."""
+    args = tiny_args(data_root, tmp_path, 'gpt', gradient_accumulation_steps=2, max_iters=100000,
+                     lr_decay_iters=100, eval_interval=100000)
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             'train.py', *args], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    log_path = tmp_path / 'log.jsonl'
+    deadline = time.time() + 600  # only against a hang: a loaded machine may take minutes
+    while proc.poll() is None and time.time() < deadline and not (
+            log_path.exists() and log_path.read_text().count('\n') >= 3):
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[0][-2000:]
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"torchrun did not stop after Ctrl-C: {proc.communicate()[0][-2000:]}")
+    assert 'continue with --init_from=resume' in out, out[-2000:]
+    saved = torch.load(tmp_path / 'ckpt.pt', weights_only=False)['iter_num']
+    assert saved >= 3 and read_log(tmp_path)[-1]['iter'] == saved  # weights and log at one iteration
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_root, tmp_path):
     train.main(tiny_args(data_root, tmp_path, 'gpt', max_iters=2, eval_interval=2))
     before = (tmp_path / 'ckpt.pt').read_bytes()

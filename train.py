@@ -643,26 +643,39 @@ def open_log(run, iter_num):
 
 
 @contextmanager
-def ctrl_c_between_iterations():
-    """Within it, Ctrl-C (SIGINT) sets the yielded event instead of interrupting, and train stops at
-    the next iteration boundary: a checkpoint then never holds weights a step ahead of its iter_num,
-    nor a log one missing the iteration before it. Where SIGINT is ignored or handled by someone
-    else, or off the main thread, nothing changes."""
+def stop_signals_between_iterations():
+    """Within it, Ctrl-C (SIGINT) and SIGTERM (how torchrun passes a stop on to its workers, and how
+    clusters preempt) set the yielded event instead of interrupting, and train stops at the next
+    iteration boundary: a checkpoint then never holds weights a step ahead of its iter_num, nor a
+    log one missing the iteration before it. A signal that is ignored or handled by someone else,
+    or every signal off the main thread, is left as it was."""
     interrupted = threading.Event()
-    install = (threading.current_thread() is threading.main_thread()
-               and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    if install:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    installed = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:
+                installed[sig] = signal.signal(sig, lambda signum, frame: interrupted.set())
     try:
         yield interrupted
     finally:
-        if install:
-            signal.signal(signal.SIGINT, previous)
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+
+
+def stop_requested(run, interrupted):
+    """Whether a stop signal arrived, here or under DDP on any rank: the ranks agree (one small
+    all-reduce an iteration), so all stop at the same iteration and none is left waiting in a
+    collective that the others have left."""
+    if not run.ddp:
+        return interrupted.is_set()
+    flag = torch.tensor(float(interrupted.is_set()), device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
 
 
 def train(run, progress):
     """Steps until max_iters: a log line every log_interval iterations; evaluation, best.pt (if
-    better) and ckpt.pt every eval_interval and at max_iters; ckpt.pt on Ctrl-C. Returns the last
+    better) and ckpt.pt every eval_interval and at max_iters; ckpt.pt on Ctrl-C or SIGTERM. Returns the last
     val loss (None if it did not evaluate)."""
     c = run.c
     log = open_log(run, progress.iter_num)
@@ -671,10 +684,10 @@ def train(run, progress):
     losses, since_log, window_depths = None, 0, []
     progress.started = t_log = time.time()
     batch = train_batch(run, progress.iter_num, 0)
-    with ctrl_c_between_iterations() as interrupted:
+    with stop_signals_between_iterations() as interrupted:
         try:
             while progress.iter_num < c['max_iters']:
-                if interrupted.is_set():
+                if stop_requested(run, interrupted):
                     raise KeyboardInterrupt
                 lr = get_lr(progress.iter_num, c)
                 loss, depths, batch = train_step(run, progress.iter_num, batch, lr)
