@@ -148,19 +148,26 @@ def test_two_process_gloo_run_matches_one_process(data_root, tmp_path):
     np.testing.assert_allclose(ddp[-1]['val_loss'], single[-1]['val_loss'], rtol=1e-5)
 
 
-def test_ctrl_c_saves_and_resume_rewrites_the_log(data_root, tmp_path):
-    args = tiny_args(data_root, tmp_path, 'gpt', max_iters=100000, lr_decay_iters=100, eval_interval=100000)
-    proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
+def start_training_until_logged(command, out_dir, **popen_kwargs):
+    """Start a training command (train.py, or torchrun running it) and return it once out_dir's
+    log.jsonl holds 3 lines, still running."""
+    proc = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'},
                             # a shell that started pytest in the background ignores SIGINT, and its children
                             # inherit that: give train.py Ctrl-C back, as a terminal would
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    log_path = tmp_path / 'log.jsonl'
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen_kwargs)
+    log_path = out_dir / 'log.jsonl'
     deadline = time.time() + 600  # only against a hang: a loaded machine may take minutes
     while proc.poll() is None and time.time() < deadline and not (
             log_path.exists() and log_path.read_text().count('\n') >= 3):
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[0][-2000:]
+    return proc
+
+
+def test_ctrl_c_saves_and_resume_rewrites_the_log(data_root, tmp_path):
+    args = tiny_args(data_root, tmp_path, 'gpt', max_iters=100000, lr_decay_iters=100, eval_interval=100000)
+    proc = start_training_until_logged([sys.executable, 'train.py', *args], tmp_path)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, out[-2000:]
@@ -180,16 +187,8 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_iteration_and_saves(data_
     all-reduce the other rank has left."""
     args = tiny_args(data_root, tmp_path, 'gpt', gradient_accumulation_steps=2, max_iters=100000,
                      lr_decay_iters=100, eval_interval=100000)
-    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             'train.py', *args], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    log_path = tmp_path / 'log.jsonl'
-    deadline = time.time() + 600  # only against a hang: a loaded machine may take minutes
-    while proc.poll() is None and time.time() < deadline and not (
-            log_path.exists() and log_path.read_text().count('\n') >= 3):
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()[0][-2000:]
+    proc = start_training_until_logged([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                        '--nproc_per_node=2', 'train.py', *args], tmp_path, start_new_session=True)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     try:
         out, _ = proc.communicate(timeout=120)
