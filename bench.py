@@ -10,7 +10,7 @@ latency (eager and compiled). Two more modes compare training speed.
     python bench.py --out_dir=out-shakespeare-char-grt --exit_sweep=True  # per-token early exit: val loss
                                                          # against mean core steps, + docs/img/exit_curve.png
     python bench.py --peer=True                          # training ms/iteration, GRT against dense, at nanoGPT's
-                                                         # CPU shapes: eager and compiled, fp32 and native bf16
+                                                         # CPU shapes: eager and compiled, fp32 and (where faster) bf16
     python bench.py --gpu_check=True                     # (or bash scripts/gpu_check.sh) on a CUDA GPU: the
                                                          # paper-scale small configs train, then --scale=large
 
@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import prepare_data
-from common import (autocast_context, cpu_has_native_bf16, fail, load_model, measure_cpu_peak,
+from common import (autocast_context, cpu_bf16_speedup, fail, load_model, measure_cpu_peak,
                     peak_flops_for, pick_device, pick_dtype, read_settings)
 from kv_cache import KV_MODES
 from model import EarlyExit, RecurrentLM
@@ -506,11 +506,11 @@ def cpu_description():
 
 
 def peer_modes(c, device_type):
-    """(dtype, compiled) pairs to time: fp32, and bf16 autocast where the device computes bf16 natively
-    (or only the --dtype given); each eager, and compiled unless --compile=False."""
+    """(dtype, compiled) pairs to time: fp32, and bf16 autocast on CUDA and on a CPU whose bf16 matrix
+    products are faster than fp32 ones (or only the --dtype given); each eager, and compiled unless --compile=False."""
     if c['dtype'] == 'auto':
         dtypes = ['float32']
-        if device_type == 'cuda' or (device_type == 'cpu' and cpu_has_native_bf16()):
+        if device_type == 'cuda' or (device_type == 'cpu' and cpu_bf16_speedup() > 1):
             dtypes.append('bfloat16')
     else:
         dtypes = [pick_dtype(c['dtype'], device_type)]

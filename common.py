@@ -4,6 +4,7 @@ measured peak for MFU, random training windows, and loading a trained model. tra
 bench.py, study.py and analyze.py import these from here, never from each other.
 """
 
+import functools
 import hashlib
 import os
 import sys
@@ -48,38 +49,39 @@ def pick_device(name, local_rank):
     return 'cpu'
 
 
-def cpu_has_native_bf16():
-    """bf16 arithmetic in hardware (AVX-512 BF16 or AMX on x86, the BF16 extension on Arm): only then
-    is CPU autocast faster than fp32; elsewhere it is emulated and slower."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16'})
+@functools.cache
+def cpu_bf16_speedup():
+    """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU: the fastest of 5
+    256-wide products (x @ W^T) in each, about 10 ms, once per process. Measured, not read from the
+    CPU's flags, since the flags do not say which kernel torch runs. On the 2-vCPU Xeon of docs/training.md
+    (AMX) bf16 ran 2-4x faster; with oneDNN limited to AVX-512 BF16 without AMX (ONEDNN_MAX_CPU_ISA=
+    AVX512_CORE_BF16, as on CPUs that have only that) 0.55x, and to AVX2 (no native bf16: emulated) 0.08x."""
+    return _time_linear(256, torch.float32, 5) / _time_linear(256, torch.bfloat16, 5)
 
 
 CPU_BF16_MIN_WIDTH = 384  # below it, CPU bf16 autocast trained slower than fp32 even with AMX (docs/training.md)
 
 
 def pick_dtype(name, device_type, warn=True, n_embd=None):
-    """'auto': bf16 on CUDA (fp16 where it has no bf16); on a CPU, bf16 where it has native bf16 and
-    the model is at least CPU_BF16_MIN_WIDTH wide (n_embd; None: any width), else fp32. Below that
-    width autocast's casts cost more than bf16 matmuls save: at width 128 and 256 fp32 trained 1.06-1.32x
-    faster on a Xeon with AMX. A forced bf16 on a CPU without native bf16 is allowed but warned about
-    (warn=False: silent, for DDP ranks other than the first): it is emulated there, about 20x slower."""
+    """'auto': bf16 on CUDA (fp16 where it has no bf16); on a CPU, bf16 where its bf16 matrix products
+    are faster than fp32 ones (cpu_bf16_speedup) and the model is at least CPU_BF16_MIN_WIDTH wide
+    (n_embd; None: any width), else fp32. Below that width autocast's casts cost more than bf16 matmuls
+    save: at width 128 and 256 fp32 trained 1.06-1.32x faster on a Xeon with AMX. A forced bf16 on a CPU
+    where bf16 is the slower is allowed but warned about (warn=False: silent, for DDP ranks other than
+    the first): where it is emulated (no AVX-512 BF16 or AMX), training is about 20x slower."""
     if name == 'auto':
         if device_type == 'cuda':
             return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
         wide = n_embd is None or n_embd >= CPU_BF16_MIN_WIDTH
-        return 'bfloat16' if device_type == 'cpu' and cpu_has_native_bf16() and wide else 'float32'
+        return 'bfloat16' if device_type == 'cpu' and wide and cpu_bf16_speedup() > 1 else 'float32'
     if name not in ('float32', 'bfloat16', 'float16'):
         fail(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     if name == 'float16' and device_type != 'cuda':
         fail("dtype=float16 needs CUDA (it trains with a GradScaler); use --dtype=bfloat16 or --dtype=float32")
-    if name == 'bfloat16' and device_type == 'cpu' and warn and not cpu_has_native_bf16():
-        print("warning: this CPU has no native bf16 (AVX-512 BF16 or AMX): bfloat16 is emulated and runs "
-              "about 20x slower than float32; use --dtype=float32 (or --dtype=auto)", file=sys.stderr, flush=True)
+    if name == 'bfloat16' and device_type == 'cpu' and warn and cpu_bf16_speedup() < 1:
+        print(f"warning: bf16 matrix products run {1 / cpu_bf16_speedup():.1f}x slower than float32 on this CPU, "
+              "so training in bfloat16 is slower too: use --dtype=float32 (or --dtype=auto)", file=sys.stderr,
+              flush=True)
     return name
 
 
@@ -100,7 +102,8 @@ _cpu_peak_cache = {}
 
 def _time_linear(n, dtype, repeats):
     """Seconds of the fastest of `repeats` (n, n) x (n, n)^T products in dtype, after one warm-up."""
-    x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)  # its own: measuring leaves the global generator's stream alone
+    x, w = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
     torch.nn.functional.linear(x, w)
     best = float('inf')
     for _ in range(repeats):
