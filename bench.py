@@ -600,7 +600,7 @@ def peer_benchmark(c):
             graphs_compiled=compiled_graph_count() - graphs_before if compiled else None)
     cpu, flags = cpu_description()
     result = dict(mode='peer', device=device, threads=torch.get_num_threads(), torch=torch.__version__, cpu=cpu,
-                  cpu_flags=flags, shape=dict(PEER_SHAPE, batch_size=PEER_BATCH), models=PEER_MODELS,
+                  cpu_flags=flags, bf16_speedup=cpu_bf16_speedup() if device_type == 'cpu' else None, shape=dict(PEER_SHAPE, batch_size=PEER_BATCH), models=PEER_MODELS,
                   iters=iters, warmup=c['peer_warmup'], repeats=c['peer_repeats'], flops_per_token=flops,
                   flop_ratio=flop_ratio, modes=modes)
     print_peer_table(result)
@@ -612,6 +612,8 @@ def print_peer_table(result):
           f"{PEER_BATCH}, d {PEER_SHAPE['n_embd']}, {PEER_SHAPE['n_head']} heads); {result['device']}, "
           f"{result['threads']} threads, torch {result['torch']}")
     print(f"CPU: {result['cpu']}; " + ', '.join(f"{k} {'yes' if v else 'no'}" for k, v in result['cpu_flags'].items()))
+    if result['bf16_speedup'] is not None:  # what decides whether bf16 is timed, not the flags
+        print(f"bf16 matrix products measured {result['bf16_speedup']:.2f}x as fast as fp32 (common.cpu_bf16_speedup)")
     f = result['flops_per_token']
     print(f"forward FLOPs/token at the mean training depth: gpt (4 layers) {human(f['gpt'])}, grt (1+1x3+1, "
           f"mean depth 2) {human(f['grt'])}: {result['flop_ratio']:.3f}x")

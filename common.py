@@ -54,8 +54,8 @@ def cpu_bf16_speedup():
     """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU: the fastest of 5
     256-wide products (x @ W^T) in each, about 10 ms, once per process. Measured, not read from the
     CPU's flags, since the flags do not say which kernel torch runs. On the 2-vCPU Xeon of docs/training.md
-    (AMX) bf16 ran 2-4x faster; with oneDNN limited to AVX-512 BF16 without AMX (ONEDNN_MAX_CPU_ISA=
-    AVX512_CORE_BF16, as on CPUs that have only that) 0.55x, and to AVX2 (no native bf16: emulated) 0.08x."""
+    (AMX) bf16 ran 1.5-3.6x faster; with oneDNN limited to AVX-512 BF16 without AMX (ONEDNN_MAX_CPU_ISA=
+    AVX512_CORE_BF16, as on CPUs that have only that) 0.52-0.62x, to AVX2 (bf16 emulated) 0.06-0.09x."""
     return _time_linear(256, torch.float32, 5) / _time_linear(256, torch.bfloat16, 5)
 
 

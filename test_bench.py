@@ -198,7 +198,8 @@ def test_peer_at_tiny_settings_gives_the_table_and_json(capsys):
     result = bench.main(['--peer=True', '--peer_iters=3', '--peer_warmup=1', '--peer_repeats=2',
                          '--compile=False', '--dtype=float32'])
     out = capsys.readouterr().out
-    assert 'grt/gpt step' in out and 'avx512_bf16' in out
+    assert 'grt/gpt step' in out and 'avx512_bf16' in out and 'bf16 matrix products measured' in out
+    assert result['bf16_speedup'] > 0
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
     assert result['mode'] == 'peer' and set(result['cpu_flags']) <= set(bench.CPU_FLAGS)
     assert result['iters'] == 3 and result['repeats'] == 2
@@ -211,6 +212,16 @@ def test_peer_at_tiny_settings_gives_the_table_and_json(capsys):
     assert m['gpt_ms'] > 0 and m['grt_ms'] > 0 and m['step_ratio'] > 0 and m['ratio_per_flop'] > 0
     assert m['ratio_per_flop'] == pytest.approx(m['step_ratio'] / result['flop_ratio'])
     assert m['step_ratio_spread'][0] <= m['step_ratio'] <= m['step_ratio_spread'][1]
+
+
+def test_peer_times_bf16_only_where_it_is_faster(monkeypatch):
+    c = dict(dtype='auto', compile=False)
+    monkeypatch.setattr(bench, 'cpu_bf16_speedup', lambda: 2.5)
+    assert bench.peer_modes(c, 'cpu') == [('float32', False), ('bfloat16', False)]
+    monkeypatch.setattr(bench, 'cpu_bf16_speedup', lambda: 0.6)
+    assert bench.peer_modes(c, 'cpu') == [('float32', False)]
+    assert bench.peer_modes(dict(c, compile=True), 'cuda') == [(d, k) for d in ('float32', 'bfloat16')
+                                                               for k in (False, True)]
 
 
 def test_modes_are_refused_together():
