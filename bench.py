@@ -10,7 +10,7 @@ latency (eager and compiled). Two more modes compare training speed.
     python bench.py --out_dir=out-shakespeare-char-grt --exit_sweep=True  # per-token early exit: val loss
                                                          # against mean core steps, + docs/img/exit_curve.png
     python bench.py --peer=True                          # training ms/iteration, GRT against dense, at nanoGPT's
-                                                         # CPU shapes: eager and compiled, fp32 and (where faster) bf16
+                                                         # CPU shapes: eager and compiled, fp32 and bf16 if faster
     python bench.py --gpu_check=True                     # (or bash scripts/gpu_check.sh) on a CUDA GPU: the
                                                          # paper-scale small configs train, then --scale=large
 
@@ -507,7 +507,8 @@ def cpu_description():
 
 def peer_modes(c, device_type):
     """(dtype, compiled) pairs to time: fp32, and bf16 autocast on CUDA and on a CPU whose bf16 matrix
-    products are faster than fp32 ones (or only the --dtype given); each eager, and compiled unless --compile=False."""
+    products are faster than fp32 ones (or only the --dtype given); each eager, and compiled unless
+    --compile=False."""
     if c['dtype'] == 'auto':
         dtypes = ['float32']
         if device_type == 'cuda' or (device_type == 'cpu' and cpu_bf16_speedup() > 1):
@@ -600,7 +601,8 @@ def peer_benchmark(c):
             graphs_compiled=compiled_graph_count() - graphs_before if compiled else None)
     cpu, flags = cpu_description()
     result = dict(mode='peer', device=device, threads=torch.get_num_threads(), torch=torch.__version__, cpu=cpu,
-                  cpu_flags=flags, bf16_speedup=cpu_bf16_speedup() if device_type == 'cpu' else None, shape=dict(PEER_SHAPE, batch_size=PEER_BATCH), models=PEER_MODELS,
+                  cpu_flags=flags, bf16_speedup=cpu_bf16_speedup() if device_type == 'cpu' else None,
+                  shape=dict(PEER_SHAPE, batch_size=PEER_BATCH), models=PEER_MODELS,
                   iters=iters, warmup=c['peer_warmup'], repeats=c['peer_repeats'], flops_per_token=flops,
                   flop_ratio=flop_ratio, modes=modes)
     print_peer_table(result)
@@ -613,7 +615,7 @@ def print_peer_table(result):
           f"{result['threads']} threads, torch {result['torch']}")
     print(f"CPU: {result['cpu']}; " + ', '.join(f"{k} {'yes' if v else 'no'}" for k, v in result['cpu_flags'].items()))
     if result['bf16_speedup'] is not None:  # what decides whether bf16 is timed, not the flags
-        print(f"bf16 matrix products measured {result['bf16_speedup']:.2f}x as fast as fp32 (common.cpu_bf16_speedup)")
+        print(f"bf16 matrix products measured {result['bf16_speedup']:.2f}x as fast as fp32")
     f = result['flops_per_token']
     print(f"forward FLOPs/token at the mean training depth: gpt (4 layers) {human(f['gpt'])}, grt (1+1x3+1, "
           f"mean depth 2) {human(f['grt'])}: {result['flop_ratio']:.3f}x")

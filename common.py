@@ -51,11 +51,9 @@ def pick_device(name, local_rank):
 
 @functools.cache
 def cpu_bf16_speedup():
-    """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU: the fastest of 5
-    256-wide products (x @ W^T) in each, about 10 ms, once per process. Measured, not read from the
-    CPU's flags, since the flags do not say which kernel torch runs. On the 2-vCPU Xeon of docs/training.md
-    (AMX) bf16 ran 1.5-3.6x faster; with oneDNN limited to AVX-512 BF16 without AMX (ONEDNN_MAX_CPU_ISA=
-    AVX512_CORE_BF16, as on CPUs that have only that) 0.52-0.62x, to AVX2 (bf16 emulated) 0.06-0.09x."""
+    """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU (the fastest of 5
+    256-wide x @ W^T in each, 10-20 ms, once per process). Measured rather than read from the CPU's
+    flags, which do not say which kernel torch runs (docs/training.md#dtype)."""
     return _time_linear(256, torch.float32, 5) / _time_linear(256, torch.bfloat16, 5)
 
 
@@ -63,12 +61,10 @@ CPU_BF16_MIN_WIDTH = 384  # below it, CPU bf16 autocast trained slower than fp32
 
 
 def pick_dtype(name, device_type, warn=True, n_embd=None):
-    """'auto': bf16 on CUDA (fp16 where it has no bf16); on a CPU, bf16 where its bf16 matrix products
-    are faster than fp32 ones (cpu_bf16_speedup) and the model is at least CPU_BF16_MIN_WIDTH wide
-    (n_embd; None: any width), else fp32. Below that width autocast's casts cost more than bf16 matmuls
-    save: at width 128 and 256 fp32 trained 1.06-1.32x faster on a Xeon with AMX. A forced bf16 on a CPU
-    where bf16 is the slower is allowed but warned about (warn=False: silent, for DDP ranks other than
-    the first): where it is emulated (no AVX-512 BF16 or AMX), training is about 20x slower."""
+    """'auto': bf16 on CUDA (fp16 where it has no bf16); on a CPU, bf16 only where its bf16 matrix
+    products are the faster (cpu_bf16_speedup) and the model is at least CPU_BF16_MIN_WIDTH wide (n_embd;
+    None: any width), else fp32. A forced bf16 where it is slower is allowed but warned about (warn=False:
+    silent, for DDP ranks other than the first)."""
     if name == 'auto':
         if device_type == 'cuda':
             return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
@@ -78,10 +74,12 @@ def pick_dtype(name, device_type, warn=True, n_embd=None):
         fail(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     if name == 'float16' and device_type != 'cuda':
         fail("dtype=float16 needs CUDA (it trains with a GradScaler); use --dtype=bfloat16 or --dtype=float32")
-    if name == 'bfloat16' and device_type == 'cpu' and warn and cpu_bf16_speedup() < 1:
-        print(f"warning: bf16 matrix products run {1 / cpu_bf16_speedup():.1f}x slower than float32 on this CPU, "
-              "so training in bfloat16 is slower too: use --dtype=float32 (or --dtype=auto)", file=sys.stderr,
-              flush=True)
+    if name == 'bfloat16' and device_type == 'cpu' and warn:
+        speedup = cpu_bf16_speedup()
+        if speedup < 1:
+            print(f"warning: bf16 matrix products run {1 / speedup:.1f}x slower than float32 on this CPU, so "
+                  "training in bfloat16 is slower too: use --dtype=float32 (or --dtype=auto)",
+                  file=sys.stderr, flush=True)
     return name
 
 
@@ -102,7 +100,9 @@ _cpu_peak_cache = {}
 
 def _time_linear(n, dtype, repeats):
     """Seconds of the fastest of `repeats` (n, n) x (n, n)^T products in dtype, after one warm-up."""
-    gen = torch.Generator().manual_seed(0)  # its own: measuring leaves the global generator's stream alone
+    # its own generator: whether a script measures depends on its settings and on what was measured
+    # already, so drawing from the global one would shift a seeded run's stream unpredictably
+    gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
     torch.nn.functional.linear(x, w)
     best = float('inf')

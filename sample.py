@@ -116,7 +116,8 @@ def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     device = pick_device(c['device'], 0)
     device_type = 'cuda' if device.startswith('cuda') else device
-    pick_dtype(c['dtype'], device_type)  # a wrong dtype stops (a slow one warns) before any download
+    if c['dtype'] != 'auto':  # a wrong dtype stops (a slow one warns) before any download
+        pick_dtype(c['dtype'], device_type)
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

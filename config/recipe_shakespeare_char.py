@@ -21,5 +21,5 @@ eval_interval = 250
 eval_iters = 20
 log_interval = 10
 device = 'cpu'
-dtype = 'auto'  # fp32 at this width, even where bf16 matmuls are faster: fp32 trains faster here (common.pick_dtype)
+dtype = 'auto'  # fp32 at this width even where bf16 matmuls are the faster: it trains faster (common.pick_dtype)
 compile = False
