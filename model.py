@@ -44,6 +44,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
+    gelu_approximate: str = 'none'  # the MLP's nn.GELU: 'none' (exact, as nanoGPT) or 'tanh' (GPT-2's own)
 
     def __post_init__(self):
         for name in ('block_size', 'vocab_size', 'n_head', 'n_embd'):
@@ -54,6 +55,8 @@ class GPTConfig:
                              f"pick n_head from the divisors of n_embd")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.gelu_approximate not in ('none', 'tanh'):
+            raise ValueError(f"gelu_approximate must be 'none' (exact GELU) or 'tanh', got {self.gelu_approximate!r}")
 
 
 @dataclass
@@ -148,9 +151,10 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        # exact GELU, as nanoGPT: GPT-2's tanh form ("gelu_new") is within 5e-4 of it, and torch's CPU
-        # kernel for the tanh form is 2.4x slower (9% of a width-128 fp32 step; docs/benchmarks.md)
-        self.gelu = nn.GELU()
+        # exact GELU by default, as nanoGPT: GPT-2's tanh form ("gelu_new") is within 5e-4 of it, and
+        # torch's CPU kernel for the tanh form is 2.4x slower (9% of a width-128 fp32 step; docs/benchmarks.md).
+        # GPT-2's own weights get their own tanh form (from_pretrained), so they give OpenAI's logits
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -372,8 +376,8 @@ class GPT(LanguageModel):
     @classmethod
     def from_pretrained(cls, name_or_model, dropout=0.0):
         """Load GPT-2 weights: a name ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or a
-        Hugging Face GPT2LMHeadModel instance. transformers is needed only here. Our MLP's GELU is
-        the exact one, GPT-2's the tanh approximation: the logits differ slightly, as nanoGPT's do."""
+        Hugging Face GPT2LMHeadModel instance. transformers is needed only here. The MLP uses GPT-2's
+        tanh GELU (gelu_approximate='tanh'), so the logits are OpenAI's."""
         if isinstance(name_or_model, str):
             try:
                 from transformers import GPT2LMHeadModel
@@ -384,7 +388,8 @@ class GPT(LanguageModel):
             hf = name_or_model
         c = hf.config
         model = cls(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
-                              n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True))
+                              n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, bias=True,
+                              gelu_approximate='tanh'))
         sd, sd_hf = model.state_dict(), hf.state_dict()
         # HF stores these as Conv1D, i.e. (in, out): transpose them into our Linears
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')

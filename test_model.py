@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, GRTConfig
+from model import GPT, MLP, GPTConfig, GRTConfig
 from registry import MODELS, PRESETS, build_model, preset
 
 VOCAB = 256
@@ -379,8 +379,8 @@ def test_gpt_matches_hugging_face_gpt2():
     transformers = pytest.importorskip('transformers')  # installed by .ci/run; optional for users
     torch.manual_seed(8)
     hf_config = transformers.GPT2Config(vocab_size=97, n_positions=24, n_embd=48, n_layer=3, n_head=4,
-                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                                        activation_function='gelu')  # our MLP's exact GELU
+                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    assert hf_config.activation_function == 'gelu_new'  # GPT-2's own tanh GELU
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -389,6 +389,19 @@ def test_gpt_matches_hugging_face_gpt2():
     idx = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(logits_all(ours, idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+        ours.transformer.h[0].mlp.gelu.approximate = 'none'  # the exact GELU, our default, is another function
+        assert not torch.allclose(logits_all(ours, idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_mlp_computes_the_gelu_its_config_names():
+    x = torch.linspace(-4, 4, 101)
+    exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))  # GPT-2's gelu_new
+    for approximate, expected in (('none', exact), ('tanh', tanh)):
+        mlp = MLP(GPTConfig(n_embd=1, n_head=1, gelu_approximate=approximate))
+        torch.testing.assert_close(mlp.gelu(x), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="gelu_approximate must be 'none'"):
+        GPTConfig(gelu_approximate='fast')
 
 
 def test_explicit_attention_equals_sdpa():
