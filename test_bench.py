@@ -15,6 +15,7 @@ import bench
 import prepare_data
 from conftest import CHARS, save_checkpoint, tiny_model
 from kv_cache import KV_MODES
+from registry import build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
@@ -50,6 +51,32 @@ def test_cpu_peak_bytes_fails_loudly_if_the_profiler_internals_change(monkeypatc
     monkeypatch.setattr(bench, 'profile', NoKineto)
     with pytest.raises(bench.TorchInternalsChanged, match='kineto_results.*bench.cpu_peak_bytes'):
         bench.cpu_peak_bytes(lambda: torch.empty(1000))
+
+
+def test_recompile_count_sees_none_in_a_grt_trained_at_every_depth_and_one_for_a_new_shape():
+    """A compiled GRT at r = 1..3 and in evaluation compiles several graphs and no recompile; a new batch
+    size recompiles each of its 5 compiled functions (the block, the step and the step's 3 resumptions
+    after its graph breaks), once for training and once for evaluation."""
+    torch.compiler.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    model = build_model('grt', n_prelude=1, n_core=1, n_recur=3, n_coda=1, n_embd=32, n_head=2, block_size=16,
+                        vocab_size=16)
+    model.compile_regions(backend='eager')  # no codegen: fast
+
+    def train_and_evaluate(batch_size):
+        x = torch.randint(16, (batch_size, 16))
+        model.train()
+        for r in (1, 2, 3):
+            model(x, x, num_steps=r)[1].backward()
+        model.eval()
+        with torch.no_grad():
+            model(x, x)
+
+    graphs = bench.compiled_graph_count()
+    train_and_evaluate(2)
+    assert bench.recompile_count() == 0 and bench.compiled_graph_count() - graphs > 2
+    train_and_evaluate(3)
+    assert bench.recompile_count() == 10
 
 
 def test_compiled_graph_count_counts_a_compile_and_a_recompile():
@@ -237,19 +264,21 @@ def test_gpu_check_refuses_without_cuda(monkeypatch):
 
 def test_gpu_check_runs_tiny_on_cpu(capsys):
     """The whole check with tiny overrides on CPU: both shipped configs train from the token file it
-    writes, bench.py runs, and the summary's figures are there."""
-    tiny = ['--device=cpu', '--dtype=float32', '--compile=False', '--block_size=32', '--batch_size=2',
-            '--gradient_accumulation_steps=1', '--n_embd=32', '--n_head=2', '--max_iters=4', '--log_interval=2',
-            '--eval_interval=4', '--eval_iters=1']
+    writes (the GRT compiled, as on a GPU: its several graphs are no recompile), bench.py runs, and the
+    summary's figures are there."""
+    tiny = ['--device=cpu', '--dtype=float32', '--block_size=32', '--batch_size=2', '--gradient_accumulation_steps=1',
+            '--n_embd=32', '--n_head=2', '--max_iters=4', '--log_interval=2', '--eval_interval=4', '--eval_iters=1']
     result = bench.run_gpu_check(
-        train_args={'config/gpt2_small.py': [*tiny, '--n_layer=2'], 'config/grt_small.py': [*tiny, '--n_recur=2']},
+        train_args={'config/gpt2_small.py': [*tiny, '--n_layer=2', '--compile=False'],
+                    'config/grt_small.py': [*tiny, '--n_recur=2', '--compile=True']},
         bench_args=['--scale=tiny', '--device=cpu', '--dtype=float32', '--compile=False', '--prompt_len=8',
                     '--new_tokens=4'], tokens=20_000)
     out = capsys.readouterr().out
     assert 'GRT/dense step time' in out
     assert set(result['train']) == {'gpt2_small', 'grt_small'}
     for run in result['train'].values():
-        assert run['tokens_per_s'] > 0 and run['val_loss'] > 0
-        assert run['peak_mem_bytes'] is None and run['graphs_compiled'] == run['recompiles'] == 0  # CPU, eager
+        assert run['tokens_per_s'] > 0 and run['val_loss'] > 0 and run['peak_mem_bytes'] is None  # CPU
+    assert result['train']['gpt2_small']['graphs_compiled'] == result['train']['gpt2_small']['recompiles'] == 0
+    assert result['train']['grt_small']['graphs_compiled'] > 2 and result['train']['grt_small']['recompiles'] == 0
     assert result['grt_dense_step_ratio'] > 0
     assert result['bench']['scale'] == 'tiny'
