@@ -491,7 +491,11 @@ class RecurrentLM(LanguageModel):
         return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0  # randn_like(like) * std, one kernel
 
     def run_core(self, x, caches):
-        """The shared core: n_core blocks, the same weights at every step."""
+        """The shared core: n_core blocks, the same weights at every step. Its input is often a Linear's
+        output (GRT's W_proj, Huginn's adapter), which autocast makes bf16: it is cast back to the residual
+        stream's dtype, the embeddings' (fp32 under autocast), so the core adds its residuals in the
+        precision every other block does, and its blocks compile for one input dtype."""
+        x = x.to(self.transformer.wte.weight.dtype)
         for block, cache in zip(self.transformer.core, caches):
             x = block(x, cache)
         return x
@@ -743,7 +747,7 @@ class GRT(RecurrentLM):
         u = left_half(self.proj, h + eps_x) + e_proj  # Eq. 2: u = W_proj [h + eps_x ; e]
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         g = torch.sigmoid(self.f_g(h, e_gate) / c.gate_tau + eps_g)  # Eq. 5
-        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (autocast may make o, g bf16)
+        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (autocast may make g bf16)
         return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))
 
     def f_g(self, h, e_gate):

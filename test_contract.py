@@ -112,3 +112,18 @@ def test_flops_per_token_matches_counted_matmuls(model):
     if type(model).__name__ == 'GRT':  # the paper counts W_proj's and f_g's e halves (4 d^2) at every step;
         expected -= 4 * D * D * (model.config.n_recur - 1)  # step_inputs computes them once a forward
     assert counted_forward_flops(model, idx) == pytest.approx(expected, rel=1e-9)
+
+
+def test_under_autocast_every_block_keeps_the_residual_stream_in_fp32(model):
+    """bf16 autocast computes the matmuls in bf16 but leaves the residual stream in the embeddings'
+    fp32, as for the dense GPT: a block whose input is a Linear's output (the GRT's W_proj, Huginn's
+    adapter) would otherwise add its residuals in bf16, over every core block at every step."""
+    from model import Block
+    dtypes = set()
+    for block in (m for m in model.modules() if isinstance(m, Block)):
+        block.register_forward_hook(lambda block, args, out: dtypes.update({args[0].dtype, out.dtype}))
+    idx = torch.randint(0, V, (2, S))
+    model.train()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        model(idx, targets=idx)
+    assert dtypes == {torch.float32}
