@@ -751,8 +751,8 @@ def run_gpu_check(train_args=None, bench_args=GPU_CHECK_BENCH_ARGS, tokens=GPU_C
     step_ratio = per_flop = None
     if dense and grt and dense['tokens_per_s'] and grt['tokens_per_s']:
         step_ratio = dense['tokens_per_s'] / grt['tokens_per_s']  # the same tokens per iteration
-        if dense['mfu'] and grt['mfu']:
-            per_flop = dense['mfu'] / grt['mfu']  # time per FLOP, GRT over dense
+        if dense['mfu'] and grt['mfu'] and torch.cuda.is_available():  # one datasheet peak for both runs;
+            per_flop = dense['mfu'] / grt['mfu']  # a CPU's is measured anew in each. Time per FLOP, GRT/dense
     large = bench_check(list(bench_args))
     result = dict(mode='gpu_check', device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                   torch=torch.__version__, train=runs, grt_dense_step_ratio=step_ratio,
