@@ -475,11 +475,14 @@ class RecurrentLM(LanguageModel):
         """The blocks, each once (LanguageModel.compile_regions), and one step's own ops around its
         core (for the GRT: Eq. 2's W_proj on h + eps_x, Eq. 5's LN(h) and f_g, Eq. 4's update), a dozen
         small kernels a step in eager; compiling only the blocks left the compiled GRT step slower at
-        width 128 (docs/benchmarks.md). The step's graph breaks at run_core, whose blocks are
-        compiled already, and at the noise, drawn by torch's own generator; so it compiles in seconds
-        whatever n_core is, and every r reuses it. step_inputs runs once a forward, uncompiled."""
+        width 128 (docs/benchmarks.md). The step's graph breaks at the noise, drawn by torch's own
+        generator. A one-block core compiles into the step's graph, which took 6-9% off a GRT training
+        step at width 128; a longer core breaks it at run_core and keeps its blocks' own graphs, so
+        the step compiles in seconds whatever n_core is (one graph of a 20-30 block core took
+        minutes). Every r reuses it. step_inputs runs once a forward, uncompiled."""
         super().compile_regions(**compile_kwargs)
-        self.run_core = torch.compiler.disable(self.run_core, recursive=False)
+        if self.config.n_core > 1:
+            self.run_core = torch.compiler.disable(self.run_core, recursive=False)
         self.noise = torch.compiler.disable(self.noise)
         self.recurrence_step = torch.compile(self.recurrence_step, **compile_kwargs)
 

@@ -56,10 +56,10 @@ def test_cpu_peak_bytes_fails_loudly_if_the_profiler_internals_change(monkeypatc
 def test_recompile_count_sees_none_in_a_grt_trained_at_every_depth_and_one_for_a_new_shape():
     """A compiled GRT at r = 1..3 and in evaluation compiles several graphs and no recompile; a new batch
     size recompiles each of its 5 compiled functions (the block, the step and the step's 3 resumptions
-    after its graph breaks), once for training and once for evaluation."""
+    after its graph breaks at the two noises and the 2-block core), once for training, once for evaluation."""
     torch.compiler.reset()
     torch._dynamo.utils.clear_compilation_metrics()
-    model = build_model('grt', n_prelude=1, n_core=1, n_recur=3, n_coda=1, n_embd=32, n_head=2, block_size=16,
+    model = build_model('grt', n_prelude=1, n_core=2, n_recur=3, n_coda=1, n_embd=32, n_head=2, block_size=16,
                         vocab_size=16)
     model.compile_regions(backend='eager')  # no codegen: fast
 
