@@ -132,15 +132,17 @@ def compiled_graph_count():
 
 
 def recompile_count():
-    """Recompiles in this process: compiles of one compiled function beyond its first two. compile_regions
-    compiles each of its functions once for training and once for evaluation (under no_grad), but a GRT
-    step breaks into several graphs around its noise and core, so the graph count alone cannot say
-    (a GRT run compiles 7, the GPT's 2). Read from Dynamo's compilation metrics, whose ids are
-    'frame/attempt'; kept for the last 64 compiles."""
+    """Recompiles in a train.py run: compiles of one compiled function beyond its first two, since
+    compile_regions compiles a GPT's or GRT's functions once for training and once for evaluation
+    (under no_grad). The graph count cannot say: a GRT step breaks into several graphs around its
+    noise (and a longer core), so a grt_small run compiles 5 and a GPT run 2, neither recompiling.
+    Read from Dynamo's compilation metrics, ids 'frame/attempt', one or two entries a compile (its
+    backward may add one); they keep only the last 64 entries, enough for one run in a fresh process."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
-        ids = [re.search(r'(\d+)/(\d+)(_\d+)?$', str(m.compile_id)) for m in get_compilation_metrics()]
-        return sum(int(match.group(2)) >= 2 for match in ids)
+        ids = {str(m.compile_id) for m in get_compilation_metrics()}
+        attempts = [re.search(r'(\d+)/(\d+)(_\d+)?$', compile_id) for compile_id in ids]
+        return sum(int(match.group(2)) >= 2 for match in attempts if match)
     except (ImportError, AttributeError, TypeError) as e:
         raise TorchInternalsChanged(
             f"torch {torch.__version__} changed torch._dynamo.utils.get_compilation_metrics ({type(e).__name__}: "
@@ -751,8 +753,10 @@ def run_gpu_check(train_args=None, bench_args=GPU_CHECK_BENCH_ARGS, tokens=GPU_C
     step_ratio = per_flop = None
     if dense and grt and dense['tokens_per_s'] and grt['tokens_per_s']:
         step_ratio = dense['tokens_per_s'] / grt['tokens_per_s']  # the same tokens per iteration
-        if dense['mfu'] and grt['mfu'] and torch.cuda.is_available():  # one datasheet peak for both runs;
-            per_flop = dense['mfu'] / grt['mfu']  # a CPU's is measured anew in each. Time per FLOP, GRT/dense
+        # time per FLOP, GRT over dense, from MFUs: only on CUDA, where both runs divide by one datasheet
+        # peak (on a CPU each run measures its own)
+        if dense['mfu'] and grt['mfu'] and torch.cuda.is_available():
+            per_flop = dense['mfu'] / grt['mfu']
     large = bench_check(list(bench_args))
     result = dict(mode='gpu_check', device=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                   torch=torch.__version__, train=runs, grt_dense_step_ratio=step_ratio,

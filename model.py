@@ -528,8 +528,10 @@ class RecurrentLM(LanguageModel):
         return h
 
     def initial_state(self, e):
-        """h0 = e, the prelude output."""
-        return e
+        """h0 = e, the prelude output, as a copy: passed as one tensor for both, h and e would make the
+        compiled step specialise on the two being the same at the first step (and torch 2.13 crashes
+        building that recompile's reason once a KV cache with early exit is traced, pytorch#176211)."""
+        return e.clone()
 
     def step_inputs(self, e):
         """What every step reads of the prelude output e: e itself (GRT computes its terms of e
@@ -750,7 +752,8 @@ class GRT(RecurrentLM):
         u = left_half(self.proj, h + eps_x) + e_proj  # Eq. 2: u = W_proj [h + eps_x ; e]
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         g = torch.sigmoid(self.f_g(h, e_gate) / c.gate_tau + eps_g)  # Eq. 5
-        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (autocast may make g bf16)
+        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (lerp wants one dtype: autocast
+        # may make g bf16)
         return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))
 
     def f_g(self, h, e_gate):

@@ -79,6 +79,15 @@ def test_recompile_count_sees_none_in_a_grt_trained_at_every_depth_and_one_for_a
     assert bench.recompile_count() == 10
 
 
+def test_recompile_count_counts_a_recompile_once_though_its_backward_logs_again():
+    torch.compiler.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    f = torch.compile(lambda x: (x.sin() * 2).sum(), backend='aot_eager', dynamic=False)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # compiles 0, 1 and 2: one recompile
+        f(torch.randn(3, dtype=dtype, requires_grad=True)).backward()
+    assert bench.recompile_count() == 1
+
+
 def test_compiled_graph_count_counts_a_compile_and_a_recompile():
     torch.compiler.reset()
     before = bench.compiled_graph_count()

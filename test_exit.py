@@ -306,6 +306,27 @@ def test_recurrent_baselines_exit_and_zero_threshold_is_full_depth():
             assert (model.exit_steps == 2).all()
 
 
+@pytest.mark.parametrize('model_type', ['grt', 'rung4'])
+def test_compiled_decoding_with_exits_equals_eager(model_type):
+    """compile_regions as bench.py decodes (dynamic shapes; Dynamo alone, no code generation, so it is
+    fast): the same tokens as eager with early exit by either criterion, the one-block core traced into
+    the compiled step together with the KV caches. The GRT, and rung 4, whose step takes e beside h:
+    these settings crashed torch 2.13's guard code for it while its h0 was e itself."""
+    ends = dict(n_prelude=0, n_coda=0) if model_type == 'rung1' else {}
+    torch.manual_seed(0)
+    eager = build_model(model_type, vocab_size=V, block_size=32, n_embd=32, n_head=2, n_core=1, n_recur=3,
+                        **ends).eval()
+    compiled = build_model(model_type, vocab_size=V, block_size=32, n_embd=32, n_head=2, n_core=1, n_recur=3,
+                           **ends).eval()
+    compiled.load_state_dict(eager.state_dict())
+    torch.compiler.reset()
+    compiled.compile_regions(dynamic=True, backend='eager')
+    idx = tokens(2, 5, seed=1)
+    for exit, threshold in (('state', 1.0), ('kl', 0.01)):
+        settings = dict(temperature=0, exit_threshold=threshold, exit=exit)
+        assert torch.equal(compiled.generate(idx, 8, **settings), eager.generate(idx, 8, **settings))
+
+
 def test_exit_refused_where_it_does_not_apply(grt):
     idx = tokens(1, 4)
     with pytest.raises(ValueError, match="mor's routers"):
