@@ -424,7 +424,7 @@ def setup(c):
             c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
     model, checkpoint = init_model(c, meta, ckpt_path)
     dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
-    if ddp:  # on a CPU each rank measured its own bf16 speed for 'auto': all train in rank 0's choice
+    if ddp and device_type == 'cpu':  # each rank measured its own bf16 speed for 'auto': all train in rank 0's choice
         choice = [dtype]
         dist.broadcast_object_list(choice, src=0)
         dtype = choice[0]
