@@ -752,9 +752,9 @@ class GRT(RecurrentLM):
         u = left_half(self.proj, h + eps_x) + e_proj  # Eq. 2: u = W_proj [h + eps_x ; e]
         o = self.run_core(u, caches)  # Eq. 3: o = Core(u), shared weights
         g = torch.sigmoid(self.f_g(h, e_gate) / c.gate_tau + eps_g)  # Eq. 5
-        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (lerp wants one dtype: autocast
-        # may make g bf16)
-        return torch.lerp(o.to(h.dtype), h, g.to(h.dtype))
+        # Eq. 4: h = g * h + (1 - g) * o, as one lerp kernel; g near 1 keeps h (lerp wants one dtype: o has
+        # h's, run_core sees to it, but autocast may make g bf16)
+        return torch.lerp(o, h, g.to(h.dtype))
 
     def f_g(self, h, e_gate):
         """f_g([LN(h) ; LN(e)]) of Eq. 5, Linear(2d, d) -> SiLU -> Linear(d, d), given e_gate, the
