@@ -232,3 +232,25 @@ def load_model(init_from, out_dir, device, ckpt='best.pt'):
         fail(f"init_from must be 'resume' or one of {', '.join(GPT2_NAMES)}, got {init_from!r}")
     model.eval()
     return model.to(device), checkpoint
+
+
+# -----------------------------------------------------------------------------
+# Compile by regions
+
+
+def compile_regions(model, **compile_kwargs):
+    """torch.compile each Block once, and a recurrent model's step (its ops around the core), instead of
+    the whole model: the Python depth loop stays outside compiled code, so a new r never recompiles.
+    A one-block core compiles into the step's graph; a longer core keeps its blocks' own graphs, so
+    compile time does not grow with n_core. The noise stays eager (torch's own generator, seeded by
+    train.py). Measurements: docs/training.md#compile."""
+    from model import Block, RecurrentLM
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.compile(**compile_kwargs)
+    if isinstance(model, RecurrentLM):
+        if model.config.n_core > 1:
+            model.run_core = torch.compiler.disable(model.run_core, recursive=False)
+        model.noise = torch.compiler.disable(model.noise)
+        model.recurrence_step = torch.compile(model.recurrence_step, **compile_kwargs)
+    return model

@@ -1,8 +1,8 @@
 """
 What a trained recurrent model does at each recurrence step, measured on validation text:
 
-    python analyze.py --out_dir=out-shakespeare-char-grt            # reads out_dir/best.pt
-    python analyze.py --out_dir=out-shakespeare-char-grt --img_dir=docs/img
+    python -m experiments.analyze --out_dir=out-shakespeare-char-grt            # reads out_dir/best.pt
+    python -m experiments.analyze --out_dir=out-shakespeare-char-grt --img_dir=docs/img
 
 Per recurrence step r = 1 .. 2R (R the trained depth; past R the model runs deeper than trained):
   gate      the mean gate value g of Eq. 5 over tokens and channels (GRT only; g near 1 keeps the state)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import analyze
+from experiments import analyze
 from conftest import CHARS, save_checkpoint, scramble, tiny_model
 from prepare_data import write_tokens
 from registry import build_model

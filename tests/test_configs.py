@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import study
+from experiments import study
 import train
 from config import parse_config
 from prepare_data import write_tokens
 from registry import MODELS, PRESETS, build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '*.py'))
                  if not p.endswith('__init__.py'))  # the recipes too: each parses and trains on its own
 MODEL_FIELDS = set().union(*(config_class.__dataclass_fields__ for config_class, _ in MODELS.values()))

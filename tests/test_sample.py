@@ -13,7 +13,7 @@ from conftest import CHARS, save_checkpoint, scramble, tiny_model
 from kv_cache import KV_MODES
 from registry import from_checkpoint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def run_sample(capsys, *args):

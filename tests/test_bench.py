@@ -17,7 +17,7 @@ from conftest import CHARS, save_checkpoint, tiny_model
 from kv_cache import KV_MODES
 from registry import build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from baselines import Huginn, HuginnConfig, MoR, MoRConfig
+from experiments.baselines import Huginn, HuginnConfig, MoR, MoRConfig
 from model import RecurrentLM
 from registry import MODELS, build_model
 

@@ -1,9 +1,9 @@
 """
 The paper's comparisons at laptop scale, on shakespeare_char, with one resumable command:
 
-    python study.py                       # the whole study (see README for its wall time here)
-    python study.py --sections=isoflop,depth --seeds=1 --iters=300   # a quick partial look
-    python study.py --sections=tune       # pick each model's learning rate (run once; see LEARNING_RATES)
+    python -m experiments.study                       # the whole study (see README for its wall time here)
+    python -m experiments.study --sections=isoflop,depth --seeds=1 --iters=300   # a quick partial look
+    python -m experiments.study --sections=tune       # pick each model's learning rate (run once; see LEARNING_RATES)
 
 Each run is `python train.py config/study.py <model> --seed=S --max_iters=N --out_dir=...`, its output
 kept in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt). A run with result.json is done and
@@ -102,7 +102,7 @@ SECTIONS = {  # section -> [(model, iterations multiplier)]
 }
 REFERENCE = {'isoflop': 'gpt', 'budget2x': 'gpt', 'isoparam': 'gpt', 'ladder': None, 'ladder_fixed': None}
 TUNED = ('isoflop', 'isoparam', 'ladder', 'ladder_fixed')  # the sections whose models the tune section tunes
-# Each model's learning rate, chosen by `python study.py --sections=tune` (the lowest best val loss over
+# Each model's learning rate, chosen by `python -m experiments.study --sections=tune` (the lowest best val loss over
 # lr_grid, seed tune_seed, `iters` iterations); a model not listed trains at the recipe's 1e-3.
 LEARNING_RATES = {  # chosen 2026-12-01 (results/study/tune.md): every choice is inside the grid
     'gpt': 4e-3, 'grt': 8e-3, 'huginn': 4e-3, 'mor': 8e-3, 'rung2': 4e-3, 'grt_deep': 4e-3,
@@ -193,7 +193,7 @@ def run_training(c, model, mult, seed, runs_dir, lr=None):
                               env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     if done.returncode != 0:
         fail(f"run {run_name(c, model, mult, seed, lr)} failed (exit {done.returncode}); see {out}/train.log, "
-             f"then rerun study.py to continue")
+             f"then rerun experiments/study.py to continue")
     records = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
     evals = [(r['iter'], r['tokens'], r['val_loss']) for r in records if 'val_loss' in r]
     result = dict(model=model, mult=mult, seed=seed, lr=lr, best_val_loss=min(v for _, _, v in evals),
@@ -406,7 +406,7 @@ def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routi
     lines = ['# Study results', '',
              f"shakespeare_char (character level), recipe `{RECIPE}`, {c['iters']} iterations a run "
              f"(x2 in budget2x), {c['seeds']} seed(s). Training runs took {run_minutes:.1f} min of wall time "
-             f"in all; this invocation of `python study.py` took {wall_s / 60:.1f} min (runs already done "
+             f"in all; this invocation of `python -m experiments.study` took {wall_s / 60:.1f} min (runs already done "
              f"are not redone). A gap is **clear** when it exceeds twice the combined spread over seeds, "
              f"2 sqrt(std_a^2 + std_b^2).", '']
     names = list(MODELS) + list(FIXED_LADDER_MODELS)
@@ -414,7 +414,7 @@ def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routi
     if tuning:
         lines += ['## Learning rates (the tune section)', ''] + tune_table(c, tuning) + ['']
     elif LEARNING_RATES:
-        lines += ['## Learning rates', '', "Each model's rate in LEARNING_RATES, chosen by `python study.py "
+        lines += ['## Learning rates', '', "Each model's rate in LEARNING_RATES, chosen by `python -m experiments.study "
                   "--sections=tune` (the grid and every loss: [tune.md](tune.md)); min_lr is a tenth of it.", '']
     for title, section, mult in (('isoFLOPs', 'isoflop', 1), ('Twice the tokens', 'budget2x', 2),
                                  ('isoParams', 'isoparam', 1), ('Ablation ladder, FLOP-matched', 'ladder', 1),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import study
+from experiments import study
 from conftest import save_checkpoint
 from prepare_data import write_tokens
 
