@@ -369,35 +369,62 @@ def mor_table(routing):
     return rows
 
 
+def plot_loss_curves(results):
+    """One panel per section; in each, one line per model: the mean val loss over seeds, with a light
+    band from the lowest to the highest seed. Legends sit below their panels, off the curves."""
+    from matplotlib.figure import Figure
+    titles = dict(isoflop='isoFLOPs', budget2x='twice the tokens', isoparam='isoParams',
+                  ladder='ablation ladder, FLOP-matched', ladder_fixed='ablation ladder at R = 5')
+    panels = [(s, runs) for s, runs in SECTIONS.items()
+              if any(r['model'] == m and r['mult'] == mult for m, mult in runs for r in results)]
+    fig = Figure(figsize=(4.6 * min(3, len(panels)), 4.6 * math.ceil(len(panels) / 3)), layout='constrained')
+    axes = list(fig.subplots(math.ceil(len(panels) / 3), min(3, len(panels)), squeeze=False).flat)
+    for ax, (section, runs) in zip(axes, panels):
+        others = iter(f'C{i}' for i in range(2, 10))  # dense and GRT keep one colour in every panel
+        for model, mult in runs:
+            curves = [[(t, v) for _, t, v in r['evals']] for r in results if r['model'] == model and r['mult'] == mult]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)  # the evaluations every seed has
+            tokens = [t / 1e6 for t, _ in curves[0][:n]]
+            losses = [[c[i][1] for c in curves] for i in range(n)]
+            color = {'gpt': 'C0', 'grt': 'C1'}.get(model) or next(others)
+            ax.plot(tokens, [statistics.fmean(v) for v in losses], marker='.', color=color,
+                    label=f"{model} ({layout(model)}, {len(curves)} seed{'s' * (len(curves) > 1)})")
+            ax.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=color, alpha=0.2, lw=0)
+        ax.set(xlabel='training tokens (millions)', ylabel='val loss', title=titles[section])
+        ax.legend(loc='upper center', bbox_to_anchor=(0.5, -0.16), fontsize=8, frameon=False)
+    for ax in axes[len(panels):]:  # the grid's unused cells
+        ax.set_visible(False)
+    fig.suptitle('shakespeare_char: val loss during training (line: mean over seeds; band: lowest to highest seed)')
+    return fig
+
+
+def plot_depth(depth):
+    """The trained GRT's val loss against test-time depth, a line per seed; the legend below the axes."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 4.6), layout='constrained')
+    ax = fig.subplots()
+    for seed, losses in depth.items():
+        ax.plot(list(losses), list(losses.values()), marker='o', label=f"GRT seed {seed}")
+    ax.axvline(MODELS['grt']['n_recur'], color='gray', ls='--', label='trained R')
+    ax.set(xlabel='test-time recurrence steps R', ylabel='val loss', title='GRT: val loss against test-time depth')
+    ax.legend(loc='upper center', bbox_to_anchor=(0.5, -0.16), ncol=len(depth) + 1, fontsize='small', frameon=False)
+    return fig
+
+
 def plot(results, depth, out_dir):
+    """loss_curves.png and depth.png (if depth) in out_dir; the names written."""
     try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib is not installed: tables only (pip install matplotlib for the plots)")
         return []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in sorted(results, key=lambda r: (r['mult'], r['model'], r['seed'])):
-        tokens, losses = zip(*[(t, v) for _, t, v in r['evals']])
-        ax.plot(tokens, losses, marker='.', label=f"{r['model']} x{r['mult']} s{r['seed']}")
-    ax.set(xlabel='training tokens', ylabel='val loss', title='shakespeare_char: val loss during training')
-    ax.set_ylim(top=2.6)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, 'loss_curves.png'), dpi=120)
-    files = ['loss_curves.png']
-    if depth:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for seed, losses in depth.items():
-            ax.plot(list(losses), list(losses.values()), marker='o', label=f"GRT seed {seed}")
-        ax.axvline(MODELS['grt']['n_recur'], color='gray', ls='--', label='trained R')
-        ax.set(xlabel='test-time recurrence steps R', ylabel='val loss', title='GRT: val loss against test-time depth')
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, 'depth.png'), dpi=120)
-        files.append('depth.png')
-    return files
+    figures = dict(loss_curves=plot_loss_curves(results) if results else None, depth=plot_depth(depth) if depth else None)
+    for name, fig in figures.items():
+        if fig is not None:
+            fig.savefig(os.path.join(out_dir, f'{name}.png'), dpi=120)
+    return [f'{name}.png' for name, fig in figures.items() if fig is not None]
 
 
 def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routing=None, sections=None):

@@ -165,3 +165,41 @@ def test_mor_routing_of_a_trained_checkpoint(tmp_path, char_data):
     assert routing['schedule_flops'] == pytest.approx(model.flops_per_token(64))
     assert routing['eval_flops'] == pytest.approx(model.eval_flops_per_token(64, keep), rel=0.05)
     assert os.path.isfile(os.path.join(out, 'routing.json'))
+
+
+def legends_clear_of_axes(fig):
+    """True when no legend's box overlaps the plotting area of a visible axes (where the curves are)."""
+    fig.draw_without_rendering()
+    legends = [*fig.legends, *[ax.get_legend() for ax in fig.axes if ax.get_legend()]]
+    areas = [ax.get_window_extent() for ax in fig.axes if ax.get_visible()]
+    return legends and not any(leg.get_window_extent().overlaps(area) for leg in legends for area in areas)
+
+
+def test_plots_show_a_line_per_model_and_keep_legends_off_the_curves(tmp_path):
+    """loss_curves: a panel per section, in it one line per model (the mean over seeds) and a band from the
+    lowest to the highest seed; depth: a line per seed. No legend covers a plotting area."""
+    pytest.importorskip('matplotlib')
+    rng = np.random.default_rng(0)
+    runs = dict.fromkeys((model, mult) for section in study.SECTIONS.values() for model, mult in section)
+    results = [dict(fake_result(model, mult, seed, None, 2.0),
+                    evals=[(i, 768 * i, 2.5 - i / 1000 + rng.uniform(0, 0.05)) for i in (250, 500, 800)])
+               for model, mult in runs for seed in range(3)]
+    fig = study.plot_loss_curves(results)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == ['isoFLOPs', 'twice the tokens', 'isoParams',
+                                               'ablation ladder, FLOP-matched', 'ablation ladder at R = 5']
+    for ax, section in zip(shown, study.SECTIONS.values()):
+        assert len(ax.get_lines()) == len(section) == len(ax.collections)  # a line and a band per model
+        assert [t.get_text().split()[0] for t in ax.get_legend().get_texts()] == [m for m, _ in section]
+        for line, (model, mult) in zip(ax.get_lines(), section):
+            seeds = [r['evals'] for r in results if r['model'] == model and r['mult'] == mult]
+            assert list(line.get_xdata()) == pytest.approx([768 * i / 1e6 for i in (250, 500, 800)])
+            assert list(line.get_ydata()) == pytest.approx([np.mean([s[k][2] for s in seeds]) for k in range(3)])
+    assert legends_clear_of_axes(fig)
+    depth = {seed: {r: 1.99 + 0.005 * seed + 1e-4 * r for r in range(1, 11)} for seed in range(3)}
+    fig = study.plot_depth(depth)
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ['GRT seed 0', 'GRT seed 1', 'GRT seed 2',
+                                                                     'trained R']
+    assert legends_clear_of_axes(fig)
+    assert study.plot(results, depth, str(tmp_path)) == ['loss_curves.png', 'depth.png']
+    assert os.path.getsize(tmp_path / 'loss_curves.png') > 0 and os.path.getsize(tmp_path / 'depth.png') > 0
