@@ -1,0 +1,165 @@
+"""The depth tasks (experiments/depth_tasks.py) and their evaluation (experiments/depth_eval.py): seeded
+generators, answers and step counts that a written-out solver confirms, a loss that reads only the
+answers, and an accuracy table equal to a prediction-by-prediction computation."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import save_checkpoint, scramble
+from experiments import depth_eval
+from experiments.depth_tasks import TASKS, TaskBatches, make_task, task_batches
+from registry import build_model
+
+BLOCK = 64
+
+
+def tiny(model_type, vocab_size, seed=0):
+    torch.manual_seed(seed)
+    layout = dict(n_layer=2) if model_type == 'gpt' else dict(n_prelude=1, n_core=1, n_recur=3, n_coda=1)
+    model = build_model(model_type, n_embd=32, n_head=2, block_size=BLOCK, vocab_size=vocab_size, **layout)
+    return scramble(model).eval()  # large weights: predictions that vary from position to position
+
+
+def examples(name, lo, hi, seeds=range(30)):
+    task = make_task(name, BLOCK)
+    return task, [task.example(torch.Generator().manual_seed(s), lo, hi) for s in seeds]
+
+
+def queries(steps):
+    """The step counts of each query's answers: runs of 1, 2, 3, ... between the 0s."""
+    runs = []
+    for s in steps:
+        if s == 0:
+            runs.append([])
+        elif runs:
+            runs[-1].append(s)
+    return [run for run in runs if run]
+
+
+@pytest.mark.parametrize('name', TASKS)
+def test_a_generator_is_deterministic_given_its_seed(name):
+    source, _ = task_batches(f'task:{name}', BLOCK, 4, 'cpu', 0, 3)
+    a, b, c = (source.sample(torch.Generator().manual_seed(s)) for s in (7, 7, 8))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    assert a[0].shape == a[1].shape == a[2].shape == (4, BLOCK) and a[0].dtype == torch.long
+
+
+@pytest.mark.parametrize('name', TASKS)
+@pytest.mark.parametrize('lo, hi', [(1, 4), (3, 3), (9, 9)])
+def test_difficulty_is_the_steps_the_solver_takes(name, lo, hi):
+    """The solver reads only the tokens and works each answer out one step at a time: its answers and
+    step counts are the generator's, every query but the one the block's end cuts needs lo..hi steps,
+    and at lo = hi = d every whole query ends in an answer of exactly d steps."""
+    task, drawn = examples(name, lo, hi)
+    for tokens, answers, steps in drawn:
+        assert len(tokens) == BLOCK and max(tokens) < task.vocab_size
+        assert task.solve(tokens) == (answers, steps)
+        runs = queries(steps)
+        assert all(run == list(range(1, len(run) + 1)) for run in runs)
+        assert all(lo <= len(run) <= hi for run in runs[:-1]) and len(runs[-1]) <= hi
+        assert all((a >= 0) == (s > 0) for a, s in zip(answers, steps))
+    seen = sorted({len(run) for _, _, steps in drawn for run in queries(steps)[:-1]})
+    assert seen == list(range(lo, hi + 1))  # every difficulty of the range is drawn
+
+
+def test_pointer_answers_never_come_back_to_the_query():
+    """On one cycle of n nodes, fewer than n hops never return to the start."""
+    task, drawn = examples('pointer', 1, 15)
+    for tokens, answers, steps in drawn:
+        query = None
+        for token, answer, step in zip(tokens[2 * task.nodes + 1:], answers[2 * task.nodes + 1:],
+                                       steps[2 * task.nodes + 1:]):
+            query = token if step == 0 else query
+            assert step == 0 or answer != query
+
+
+@pytest.mark.parametrize('name', TASKS)
+@pytest.mark.parametrize('model_type', ['gpt', 'grt'])
+def test_the_loss_reads_only_the_answers(name, model_type):
+    """y is -1 exactly where no answer is, and the model's loss is the cross-entropy at the answers
+    alone: changing the prediction at any other position leaves it unchanged."""
+    source, _ = task_batches(name, BLOCK, 3, 'cpu', 0, 4)
+    x, y, steps = source.sample(torch.Generator().manual_seed(1))
+    assert torch.equal(y >= 0, steps > 0) and (y == -1).sum() + (y >= 0).sum() == y.numel()
+    model = tiny(model_type, source.vocab_size)
+    logits, loss = model(x, y, num_steps=2)
+    answers = steps > 0
+    assert torch.allclose(loss, F.cross_entropy(logits[answers], y[answers]))
+    moved = logits.clone()
+    moved[~answers] = torch.randn_like(moved[~answers]) * 10
+    assert torch.allclose(F.cross_entropy(moved.view(-1, moved.size(-1)), y.view(-1), ignore_index=-1), loss)
+
+
+@pytest.mark.parametrize('name', TASKS)
+def test_bad_difficulties_stop_with_one_line(name):
+    with pytest.raises(SystemExit, match='difficulty = an int D >= 1'):
+        task_batches(name, BLOCK, 2, 'cpu', 0, 0)
+    task = make_task(name, BLOCK)
+    with pytest.raises(SystemExit, match=f'must lie in 1..{task.max_difficulty}'):
+        TaskBatches(task, 2, 'cpu', 1, task.max_difficulty + 1)
+    with pytest.raises(SystemExit, match='unknown depth task'):
+        make_task('task:nesting', BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def direct_accuracy(model, x, y, need, d, r):
+    """Accuracy at the answers of d steps, one prediction at a time: the model reads the tokens up to
+    the answer's position and predicts the next one (its last position)."""
+    hits = []
+    for i, t in (need == d).nonzero().tolist():
+        logits, _ = model(x[i:i + 1, :t + 1], num_steps=r)
+        hits.append(logits[0, -1].argmax().item() == y[i, t].item())
+    return sum(hits) / len(hits)
+
+
+@pytest.mark.parametrize('model_type, steps', [('grt', [1, 3, 5]), ('gpt', [None])])
+def test_the_eval_table_equals_a_direct_computation(model_type, steps):
+    task = make_task('pointer', BLOCK)
+    model = tiny(model_type, task.vocab_size)
+    table, answers = depth_eval.accuracy_table(model, task, [1, 2, 4], steps, 3, 'cpu')
+    for d in (1, 2, 4):
+        x, y, need = depth_eval.eval_set(task, d, 3, 'cpu')
+        assert answers[d] == int((need == d).sum()) > 0
+        for r in steps:
+            assert table[d][r] == pytest.approx(direct_accuracy(model, x, y, need, d, r))
+    assert any(a > 0 for row in table.values() for a in row.values())  # not all zero: the test can fail
+
+
+def test_the_eval_set_is_fixed_by_task_and_difficulty():
+    task = make_task('sum', BLOCK)
+    a, b = depth_eval.eval_set(task, 5, 4, 'cpu'), depth_eval.eval_set(task, 5, 4, 'cpu')
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not torch.equal(a[0], depth_eval.eval_set(task, 6, 4, 'cpu')[0])
+    assert int(a[2].max()) == 5
+
+
+def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
+    """From a checkpoint trained on difficulties 1..2: difficulties 1..6 (3D) by default, a column
+    per R, the PNG, and the JSON line last, which equals accuracy_table."""
+    task = make_task('sum', BLOCK)
+    model = tiny('grt', task.vocab_size)
+    out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:sum', difficulty=2,
+                                                                         block_size=None))
+    depth_eval.main([f'--out_dir={out}', '--steps=1,4', '--examples=2', '--device=cpu'])
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert record['difficulties'] == [1, 2, 3, 4, 5, 6] and record['steps'] == [1, 4]
+    assert record['trained_difficulty'] == 2 and record['trained_R'] == 3 and record['model_type'] == 'grt'
+    table, _ = depth_eval.accuracy_table(model, task, record['difficulties'], [1, 4], 2, 'cpu')
+    assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 4)] for d in record['difficulties']]
+    assert any('beyond training (d > 2)' in line for line in lines)
+    assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
+
+
+def test_the_command_refuses_a_language_checkpoint(tmp_path):
+    out = save_checkpoint(str(tmp_path / 'lm'), tiny('gpt', 65), 'gpt', config=dict(dataset='shakespeare_char'))
+    with pytest.raises(SystemExit, match="not a depth task"):
+        depth_eval.main([f'--out_dir={out}', '--device=cpu'])
