@@ -7,6 +7,7 @@ bench.py, study.py and analyze.py import these from here, never from each other.
 import functools
 import hashlib
 import os
+import pickle
 import sys
 import time
 from contextlib import nullcontext
@@ -39,14 +40,27 @@ def read_settings(defaults, argv=None):
 # Devices, precision, randomness
 
 
-def pick_device(name, local_rank):
-    if name != 'auto':
-        return name
-    if torch.cuda.is_available():
-        return f'cuda:{local_rank}'
-    if torch.backends.mps.is_available():
-        return 'mps'
-    return 'cpu'
+def pick_device(name, local_rank=0):
+    """The device to run on: 'auto' is cuda:local_rank, else mps, else cpu. A named device this machine
+    lacks stops with one line (torch's own error is a traceback deep inside the first .to(device))."""
+    if name == 'auto':
+        if torch.cuda.is_available():
+            return f'cuda:{local_rank}'
+        return 'mps' if torch.backends.mps.is_available() else 'cpu'
+    kind, _, index = name.partition(':')
+    if kind not in ('cpu', 'cuda', 'mps') or (index and not (kind == 'cuda' and index.isdigit())):
+        fail(f"device must be auto, cpu, cuda, cuda:N or mps, got {name!r}")
+    if kind == 'cuda' and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None
+               else "torch sees no CUDA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        fail(f"device={name!r} but {why}; use --device=cpu (or auto), or install a CUDA build of torch")
+    if kind == 'cuda' and index and int(index) >= torch.cuda.device_count():
+        fail(f"device={name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if kind == 'mps' and not torch.backends.mps.is_available():
+        fail(f"device='mps' but MPS is not available here (it needs Apple silicon, macOS 12.3+ and a torch "
+             f"built with MPS); use --device=cpu (or auto)")
+    return name
 
 
 @functools.cache
@@ -199,15 +213,26 @@ class Batches:
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
+def read_checkpoint(path, alternative=''):
+    """torch.load of a train.py checkpoint (our own file: it holds the config too, so not weights_only).
+    A truncated or corrupt file stops with one line, not torch's traceback; alternative is appended
+    to it (e.g. the other checkpoint to try)."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        reason = str(e).splitlines()[0].split('. ')[0] if str(e) else type(e).__name__  # miniz's own advice cut
+        fail(f"{path} is truncated or corrupt ({reason}): copy it again or train again{alternative}")
+
+
 def load_checkpoint(out_dir, ckpt):
     """The checkpoint dict of out_dir/ckpt ('best.pt': best val loss; 'ckpt.pt': the latest, for resume)."""
     path = os.path.join(out_dir, ckpt)
+    other = 'ckpt.pt' if ckpt == 'best.pt' else 'best.pt'
     if not os.path.isfile(path):
-        other = 'ckpt.pt' if ckpt == 'best.pt' else 'best.pt'
         if os.path.isfile(os.path.join(out_dir, other)):
             fail(f"no checkpoint at {path}, but {other} is there: pick it with --ckpt={other}")
         fail(f"no checkpoint at {path} (nor {other}); train one with `python train.py ... --out_dir={out_dir}`")
-    return torch.load(path, map_location='cpu', weights_only=False)  # our own file: it holds the config too
+    return read_checkpoint(path, f", or use --ckpt={other}" if os.path.isfile(os.path.join(out_dir, other)) else '')
 
 
 def load_model(init_from, out_dir, device, ckpt='best.pt'):
