@@ -1,5 +1,5 @@
-# A GRT (1 + 1x5 + 1) on Tiny Shakespeare's characters: about 7.5 minutes on 2 CPU cores in fp32
-# (README, Quick start: how long on other CPUs).
+# A GRT (1 + 1x5 + 1) on Tiny Shakespeare's characters: about 7.5 minutes on a 2-vCPU Intel Xeon in fp32
+# (other CPUs: docs/training.md, The quick-start pair).
 #   python train.py config/shakespeare_char_grt.py     (prepares data/shakespeare_char/ if missing)
 #   python sample.py --out_dir=out-shakespeare-char-grt
 # FLOPs: 2.79 MFLOP forward a token at the mean training depth r = 3, +1.2% over config/shakespeare_char_gpt.py.
