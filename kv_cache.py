@@ -1,13 +1,10 @@
 """
 KV caches for generation: the keys and values of the tokens seen so far, one cache per executed layer.
 
-A dense GPT keeps one KVCache per layer. A recurrent model runs its shared core r times, so by
-default (kv_mode 'per_step', the paper's) each core layer keeps its own KVCache at every step; the
-approximate modes 'shared' and 'mean' keep one CoreLayerCache per core layer instead (see
-RecurrentLM.new_kv_cache in model.py for the layout, and docs/kv_cache.md for what each costs).
-Per-token early exit (RecurrentLM.recur_with_exit) wraps the core's caches in ExitFillCache, which
-fills the entries an exited token never computed (the rule is in its docstring), and reads the coda
-through PeekCache for its 'kl' criterion.
+A dense GPT keeps one KVCache per layer. A recurrent model runs its shared core r times, so by default
+(kv_mode 'per_step', the paper's) each core layer keeps its own KVCache at every step; the approximate
+modes 'shared' and 'mean' keep one CoreLayerCache per core layer instead (recurrent_kv_cache below;
+docs/sampling_and_kv_cache.md says what each costs).
 """
 
 import torch
@@ -128,73 +125,20 @@ class CoreStepCache:
         return self.layer_cache.update(k, v, self.step)
 
 
-# -----------------------------------------------------------------------------
-# Early exit (RecurrentLM.recur_with_exit): the cache handles of a forward pass that lets each token
-# stop its recurrence at its own depth
-
-
-class ExitFillCache:
-    """One core layer's cache at one recurrence step s while tokens exit early, wrapping the cache
-    that step would use (a KVCache, a CoreStepCache, or None when there is no cache).
-
-    The fill rule: a token that exited after step d < s never computes its step-s keys and values,
-    yet later tokens (and, in a chunk of several tokens, later tokens of the same chunk) attend at
-    step s to step-s keys and values. Its step-s entry is filled with the keys and values of its last
-    computed step d at the same core layer, as Huginn does (Geiping et al., 2025: the 'latest'
-    lookup of recpre/raven_modeling_minimal.py's HuginnDynamicCache takes, for a token missing at
-    a step, the latest step it computed at the same position in the core). Why this rule: an exited
-    token's state stays h_d from then on, so its step-d keys and values are the newest description
-    of it that exists; the entry of step d was computed by the same core layer, so it is in the
-    space that layer's queries were trained against at every step; and it costs a copy, not compute.
-
-    The fill is applied before the write and before attention, so a token's own chunk sees it too
-    (a prefilled prompt with exits equals the same tokens decoded one at a time), and it is the
-    same for every kv_mode: 'per_step' stores the filled entry at step s, 'shared' stores the
-    filled step-R entry (= the step-d one), and 'mean' averages the steps 1..R with steps d+1..R
-    counting as step d.
-
-    exited: (B, T) bool, the chunk's tokens that exited before this step (None: none has). last: (k, v) of the chunk
-    at this layer at the previous step, after its own fill (None at the first step). After update,
-    .chunk holds this step's (k, v), the next step's `last`.
-    """
-
-    def __init__(self, cache, exited, last=None):
-        self.cache, self.exited, self.last = cache, exited, last
-        self.chunk = None
-
-    @property
-    def length(self):
-        return 0 if self.cache is None else self.cache.length
-
-    def update(self, k, v):
-        if self.exited is not None:
-            keep = self.exited[:, None, :, None]  # (B, 1, T, 1) against (B, n_head, T, head_size)
-            k = torch.where(keep, self.last[0], k)
-            v = torch.where(keep, self.last[1], v)
-        self.chunk = (k, v)
-        return (k, v) if self.cache is None else self.cache.update(k, v)
-
-    def fill(self):
-        """Every token of the chunk has exited before this step: store their last keys and values
-        without running the step."""
-        self.chunk = self.last
-        if self.cache is not None:
-            self.cache.update(*self.last)
-
-
-class PeekCache:
-    """A cache for a probe that must not change it: attention sees the stored tokens plus the chunk,
-    as an update would give, but the stored length stays put, so the real pass that follows
-    overwrites the same slots (early exit's 'kl' criterion reads the coda this way)."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    @property
-    def length(self):
-        return self.cache.length
-
-    def update(self, k, v):
-        keys, values = self.cache.update(k, v)
-        self.cache.length -= k.size(2)
-        return keys, values
+def recurrent_kv_cache(max_len, n_prelude, n_core, n_coda, r, kv_mode='per_step'):
+    """The caches of one generation with a recurrent model, in the order its body runs its layers: the
+    prelude layers, core layer j at step s (index n_prelude + s * n_core + j), the coda layers.
+    Prelude and coda layers get one exact KVCache each. The core, by kv_mode:
+      'per_step' (exact): a KVCache for every core layer at every step s, so a new token at step s
+                 attends to earlier tokens' step-s keys and values; n_core * r caches.
+      'shared':  one CoreLayerCache per core layer holding each earlier token's step-r keys and values.
+      'mean':    one CoreLayerCache per core layer holding their mean over the r steps.
+    'shared' and 'mean' hold n_core caches instead of n_core * r and change the function."""
+    if kv_mode not in KV_MODES:
+        raise ValueError(f"unknown kv_mode {kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+    if kv_mode == 'per_step':
+        core = [KVCache(max_len) for _ in range(n_core * r)]
+    else:
+        layers = [CoreLayerCache(max_len, r, kv_mode).steps() for _ in range(n_core)]  # layers[j][s]
+        core = [layers[j][s] for s in range(r) for j in range(n_core)]
+    return [KVCache(max_len) for _ in range(n_prelude)] + core + [KVCache(max_len) for _ in range(n_coda)]

@@ -16,7 +16,8 @@ import torch
 
 import prepare_data
 from common import autocast_context, fail, load_model, pick_device, pick_dtype, read_settings
-from model import EarlyExit, RecurrentLM
+from early_exit import EarlyExit, ExitingModel, check_early_exit
+from model import RecurrentLM
 
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (a checkpoint in out_dir, written by train.py) or 'gpt2', 'gpt2-medium', ...
@@ -29,8 +30,8 @@ DEFAULTS = dict(
     top_k=200,  # keep only the top_k most likely tokens; None keeps all
     seed=1337,
     num_steps=None,  # GRT: recurrence steps R at generation; None = the R it was trained with
-    kv_mode='per_step',  # GRT core KV cache: 'per_step' (exact), 'shared' or 'mean' (see model.RecurrentLM.new_kv_cache)
-    exit='state',  # early exit's criterion (recurrent models): 'state' (relative state change) or 'kl' (see model.EarlyExit)
+    kv_mode='per_step',  # GRT core KV cache: 'per_step' (exact), 'shared' or 'mean' (kv_cache.recurrent_kv_cache)
+    exit='state',  # early exit's criterion (recurrent models): 'state' (relative state change) or 'kl' (early_exit.py)
     exit_threshold=None,  # per-token early exit below this criterion value; None = every token runs num_steps
     min_steps=1,  # early exit: the fewest recurrence steps a token runs
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', ...
@@ -63,14 +64,8 @@ def prompt_ids(c, encode, block_size):
     return ids
 
 
-def generation_kwargs(c):
-    """The settings model.generate_tokens takes from the command line."""
-    return dict(temperature=c['temperature'], top_k=c['top_k'], num_steps=c['num_steps'], kv_mode=c['kv_mode'],
-                exit_threshold=c['exit_threshold'], min_steps=c['min_steps'], exit=c['exit'])
-
-
 def check_generation_args(model, c):
-    """The sampling settings this model accepts, each refused with a one-line fix."""
+    """The model that generates (with early exit if asked); every setting it refuses stops with a one-line fix."""
     if c['kv_mode'] not in model.kv_modes:
         fail(f"kv_mode {c['kv_mode']!r} is not available for this {type(model).__name__}; "
              f"choose one of {', '.join(model.kv_modes)}")
@@ -85,9 +80,12 @@ def check_generation_args(model, c):
         fail(f"top_k must be an integer >= 1 or None, got {c['top_k']!r}")
     if c['exit_threshold'] is not None:
         try:
-            model.check_early_exit(EarlyExit(c['exit_threshold'], c['min_steps'], c['exit']), c['num_steps'], c['kv_mode'])
+            rule = EarlyExit(c['exit_threshold'], c['min_steps'], c['exit'])
+            check_early_exit(model, rule, c['num_steps'], c['kv_mode'])
         except ValueError as e:
             fail(str(e))
+        return ExitingModel(model, rule)  # runs each token to its own depth
+    return model
 
 
 class StreamDecoder:
@@ -130,7 +128,7 @@ def main(argv=None):
               f"{val})", file=sys.stderr)
     meta = checkpoint.get('meta') if checkpoint else None
     meta = meta or {'tokenizer': 'gpt2', 'vocab_size': model.config.vocab_size}
-    check_generation_args(model, c)
+    generator = check_generation_args(model, c)  # the model, or the model with early exit
     encode, decode = prepare_data.get_tokenizer(meta)
     start_ids = prompt_ids(c, encode, model.config.block_size)
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
@@ -142,10 +140,11 @@ def main(argv=None):
             print(decode(start_ids), end='', flush=True)
             stream = StreamDecoder(decode)
             depths = []  # early exit: the core steps behind each sampled token
-            for token in model.generate_tokens(x, c['max_new_tokens'], **generation_kwargs(c)):
+            for token in generator.generate_tokens(x, c['max_new_tokens'], c['temperature'], c['top_k'],
+                                                   c['num_steps'], kv_mode=c['kv_mode']):
                 print(stream.add(token.item()), end='', flush=True)
                 if c['exit_threshold'] is not None:
-                    depths.append(model.exit_steps[0, -1].item())
+                    depths.append(generator.exit_steps[0, -1].item())
             print(stream.flush())
             if depths:
                 print(f"(early exit: {sum(depths) / len(depths):.2f} core steps per token on average, "

@@ -133,7 +133,7 @@ class Huginn(RecurrentLM):
         nn.init.trunc_normal_(table, std=std, a=-3 * std, b=3 * std,
                               generator=torch.Generator().manual_seed(HUGINN_EVAL_STATE_SEED))
         self.register_buffer('eval_state', table, persistent=False)
-        self._start = 0  # position of the current forward pass's first token (body sets it)
+        self._start = 0  # position of the current forward pass's first token (embed sets it)
 
     def recurrence_step(self, h, e, caches):
         # core_block_forward with injection_type='linear': x = adapter(cat[x, e]), then the core blocks
@@ -142,9 +142,9 @@ class Huginn(RecurrentLM):
     def step_flops(self):
         return 4 * self.config.n_embd ** 2  # the adapter: 2 * 2d^2
 
-    def body(self, x, num_steps=None, kv_cache=None, early_exit=None):
-        self._start = kv_cache[0].length if kv_cache else 0  # earlier tokens in the cache: x starts there
-        return super().body(x, num_steps, kv_cache, early_exit)
+    def embed(self, idx, kv_cache=None):
+        self._start = kv_cache[0].length if kv_cache else 0  # earlier tokens in the cache: idx starts there
+        return super().embed(idx, kv_cache)
 
     def initial_state(self, e):
         """h0 ~ TruncNormal(0, std^2) on [-3 std, 3 std] (initialize_state, 'like-init'): fresh in

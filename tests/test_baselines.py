@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from common import compile_regions
 from experiments.baselines import Huginn, HuginnConfig, MoR, MoRConfig
 from model import RecurrentLM
 from registry import MODELS, build_model
@@ -464,7 +465,7 @@ def test_compile_regions_never_recompile_across_depths(name):
     import torch._dynamo
     torch._dynamo.reset()
     model, eager = VARIANTS[name](), VARIANTS[name]()
-    model.compile_regions(backend='aot_eager')
+    compile_regions(model, backend='aot_eager')
     idx = torch.randint(0, V, (2, 30))
     model.train()
     for r in (3, 2):  # warm-up: compiles each region (and the no-grad step, and MoR's dynamic length)

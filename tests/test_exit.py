@@ -1,4 +1,4 @@
-"""Per-token early exit at inference (model.EarlyExit, RecurrentLM.recur_with_exit): threshold 0 and
+"""Per-token early exit at inference (early_exit.py: EarlyExit, ExitingModel): threshold 0 and
 None are the fixed depth, a huge threshold runs exactly min_steps, the cache (with its fill rule)
 equals a written-out uncached forward under the same exit decisions, causality holds, and both
 criteria match their written-out definitions. Tiny fp32 models on CPU, no timing."""
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import CHARS, scramble, tiny_model
-from model import EarlyExit
+from common import compile_regions
+from early_exit import EarlyExit, ExitingModel
 from registry import build_model
 
 V = len(CHARS)
@@ -45,6 +46,10 @@ MIXED = {'state': 0.5, 'kl': 3e-3}
 MIXED2 = {'state': 1.0, 'kl': 1.0}
 
 
+def exiting(model, threshold, min_steps=1, exit='state'):
+    return ExitingModel(model, EarlyExit(threshold, min_steps, exit))
+
+
 def mixed_depths(depth):
     assert len(set(depth.flatten().tolist())) >= 2, f"the threshold no longer mixes depths: {depth.tolist()}"
 
@@ -57,27 +62,27 @@ def mixed_depths(depth):
 def test_threshold_zero_and_none_equal_full_depth(grt, exit, kv_mode):
     idx = tokens(2, 5)
     full = grt.generate(idx, 24, temperature=0, kv_mode=kv_mode)
-    assert torch.equal(grt.generate(idx, 24, temperature=0, kv_mode=kv_mode, exit_threshold=None, exit=exit), full)
-    assert torch.equal(grt.generate(idx, 24, temperature=0, kv_mode=kv_mode, exit_threshold=0, exit=exit), full)
-    assert (grt.exit_steps == grt.config.n_recur).all()
+    never = exiting(grt, 0, exit=exit)
+    assert torch.equal(never.generate(idx, 24, temperature=0, kv_mode=kv_mode), full)
+    assert (never.exit_steps == grt.config.n_recur).all()
 
 
 def test_threshold_zero_equals_full_depth_logits(grt):
     """Bit for bit where the exit path runs the same passes ('state'; 'kl' decoding one token);
     'kl' runs a chunk one token at a time (body_token_by_token), equal up to rounding."""
+    state, kl = exiting(grt, 0.0, exit='state'), exiting(grt, 0.0, exit='kl')
     idx = tokens(2, 20)
     full = grt(idx, targets=idx)[0]
     for cached in (False, True):
         cache = lambda: grt.new_kv_cache(20) if cached else None
-        assert torch.equal(grt(idx, targets=idx, kv_cache=cache(), early_exit=EarlyExit(0.0, 1, 'state'))[0], full)
-        logits = grt(idx, targets=idx, kv_cache=cache(), early_exit=EarlyExit(0.0, 1, 'kl'))[0]
+        assert torch.equal(state(idx, targets=idx, kv_cache=cache())[0], full)
+        logits = kl(idx, targets=idx, kv_cache=cache())[0]
         torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
     cache, exit_cache = grt.new_kv_cache(21), grt.new_kv_cache(21)
     grt(idx, kv_cache=cache)
     grt(idx, kv_cache=exit_cache)  # the same prompt, then one token decoded with and without 'kl'
-    assert torch.equal(grt(idx[:, :1], kv_cache=exit_cache, early_exit=EarlyExit(0.0, 1, 'kl'))[0],
-                       grt(idx[:, :1], kv_cache=cache)[0])
-    assert torch.equal(grt.generate(idx[:, :3], 10, temperature=0, use_cache=False, exit_threshold=0),
+    assert torch.equal(kl(idx[:, :1], kv_cache=exit_cache)[0], grt(idx[:, :1], kv_cache=cache)[0])
+    assert torch.equal(state.generate(idx[:, :3], 10, temperature=0, use_cache=False),
                        grt.generate(idx[:, :3], 10, temperature=0, use_cache=False))
 
 
@@ -87,8 +92,9 @@ def test_huge_threshold_runs_exactly_min_steps(grt, exit, min_steps):
     """Every token stops after min_steps, so nothing reads the filled later steps: the same tokens
     as the fixed depth min_steps."""
     idx = tokens(2, 4)
-    out = grt.generate(idx, 10, temperature=0, exit_threshold=1e30, min_steps=min_steps, exit=exit)
-    assert (grt.exit_steps == min_steps).all() and grt.exit_stats['steps_run'] == min_steps
+    always = exiting(grt, 1e30, min_steps, exit)
+    out = always.generate(idx, 10, temperature=0)
+    assert (always.exit_steps == min_steps).all() and always.exit_stats['steps_run'] == min_steps
     assert torch.equal(out, grt.generate(idx, 10, temperature=0, num_steps=min_steps))
 
 
@@ -140,10 +146,10 @@ def reference_grt_with_exits(model, idx, depth):
             computed[j].append((k, v))
             return k, v
 
-        o = model.proj(torch.cat([h, e], dim=-1))
+        o = model.W_proj(torch.cat([h, e], dim=-1))
         for j, block in enumerate(model.transformer.core):
             o = block_forward(block, o, lambda k, v, j=j: fill(k, v, j))[0]
-        g = torch.sigmoid(model.gate(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1)) / c.gate_tau)
+        g = torch.sigmoid(model.f_g(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1)) / c.gate_tau)
         h = torch.where(stopped.unsqueeze(-1), h, g * h + (1 - g) * o)
     for block in model.transformer.coda:
         h = block_forward(block, h)[0]
@@ -154,10 +160,11 @@ def decode_teacher_forced(model, idx, prompt_len, rule, kv_mode='per_step'):
     """Prefill idx[:, :prompt_len], then feed the rest one token at a time through the cache, as
     generation runs: (every position's logits, every token's depth)."""
     cache = model.new_kv_cache(idx.size(1), kv_mode=kv_mode)
+    exiting_model = ExitingModel(model, rule)
     logits, depths = [], []
     for start, end in [(0, prompt_len)] + [(i, i + 1) for i in range(prompt_len, idx.size(1))]:
-        logits.append(model(idx[:, start:end], targets=idx[:, start:end], kv_cache=cache, early_exit=rule)[0])
-        depths.append(model.exit_steps)
+        logits.append(exiting_model(idx[:, start:end], targets=idx[:, start:end], kv_cache=cache)[0])
+        depths.append(exiting_model.exit_steps)
     return torch.cat(logits, dim=1), torch.cat(depths, dim=1)
 
 
@@ -173,17 +180,18 @@ def test_cached_equals_uncached_reference_under_same_exits(request, which, exit)
         expected = reference_grt_with_exits(model, idx, depth)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     # the model's own uncached forward takes the same decisions and gives the same logits
-    uncached = model(idx, targets=idx, early_exit=EarlyExit(threshold, 1, exit))[0]
-    assert torch.equal(model.exit_steps, depth)
+    uncached_model = exiting(model, threshold, 1, exit)
+    uncached = uncached_model(idx, targets=idx)[0]
+    assert torch.equal(uncached_model.exit_steps, depth)
     torch.testing.assert_close(uncached, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_generation_cached_equals_uncached_with_exits(grt2):
     idx = tokens(2, 3, seed=2)
     for exit, threshold in MIXED2.items():
-        cached = grt2.generate(idx, 20, temperature=0, exit_threshold=threshold, exit=exit)
-        assert torch.equal(grt2.generate(idx, 20, temperature=0, exit_threshold=threshold, exit=exit,
-                                         use_cache=False), cached)
+        cached = exiting(grt2, threshold, exit=exit).generate(idx, 20, temperature=0)
+        assert torch.equal(exiting(grt2, threshold, exit=exit).generate(idx, 20, temperature=0, use_cache=False),
+                           cached)
 
 
 def test_batch_rows_exit_independently(grt2):
@@ -206,8 +214,9 @@ def test_causal_with_exits(grt2, exit):
     changed = idx.clone()
     changed[:, 20:] = (changed[:, 20:] + 1) % V
     rule = EarlyExit(MIXED2[exit], 1, exit)
-    a, depth_a = grt2(idx, targets=idx, early_exit=rule)[0], grt2.exit_steps
-    b, depth_b = grt2(changed, targets=changed, early_exit=rule)[0], grt2.exit_steps
+    model = ExitingModel(grt2, rule)
+    a, depth_a = model(idx, targets=idx)[0], model.exit_steps
+    b, depth_b = model(changed, targets=changed)[0], model.exit_steps
     mixed_depths(depth_a)
     assert torch.equal(depth_a[:, :20], depth_b[:, :20])
     torch.testing.assert_close(a[:, :20], b[:, :20], rtol=0, atol=1e-6)
@@ -256,13 +265,14 @@ def test_kl_criterion_written_out(grt2, min_steps):
     threshold = threshold_in_gap(torch.cat(kl[min_steps - 1:R - 1]).tolist())
     expected = expected_depths(kl, threshold, min_steps, R)
     mixed_depths(expected)
-    logits = grt2(x, early_exit=EarlyExit(threshold, min_steps, 'kl'))[0]
-    assert torch.equal(grt2.exit_steps.flatten(), expected)
+    model = exiting(grt2, threshold, min_steps, 'kl')
+    logits = model(x)[0]
+    assert torch.equal(model.exit_steps.flatten(), expected)
     for d in set(expected.tolist()):  # a token that stops after d steps predicts as the fixed depth d
         rows = expected == d
         torch.testing.assert_close(logits[rows], grt2(x[rows], num_steps=d)[0], rtol=1e-5, atol=1e-5)
     # probes: p_0 (min_steps 1 only), then p_s after each step s < R that ran (up to the deepest token's)
-    assert grt2.exit_stats['probes'] == (min_steps == 1) + min(int(expected.max()), R - 1)
+    assert model.exit_stats['probes'] == (min_steps == 1) + min(int(expected.max()), R - 1)
 
 
 def test_state_criterion_written_out(grt2):
@@ -275,18 +285,19 @@ def test_state_criterion_written_out(grt2):
         states = [e]  # h_0 = e
         for s in range(R):  # Eq. 2-5; one token attends only to itself
             h = states[-1]
-            o = grt2.proj(torch.cat([h, e], dim=-1))
+            o = grt2.W_proj(torch.cat([h, e], dim=-1))
             for block in grt2.transformer.core:
                 o = block_forward(block, o)[0]
-            g = torch.sigmoid(grt2.gate(torch.cat([grt2.ln_h(h), grt2.ln_e(e)], dim=-1)) / c.gate_tau)
+            g = torch.sigmoid(grt2.f_g(torch.cat([grt2.ln_h(h), grt2.ln_e(e)], dim=-1)) / c.gate_tau)
             states.append(g * h + (1 - g) * o)
     # c_s = ||h_s - h_(s-1)|| / ||h_(s-1)||
     change = [((states[s] - states[s - 1]).norm(dim=-1) / states[s - 1].norm(dim=-1)).flatten() for s in range(1, R + 1)]
     threshold = threshold_in_gap(torch.cat(change[:R - 1]).tolist())
     expected = expected_depths(change, threshold, 1, R)
     mixed_depths(expected)
-    grt2(x, early_exit=EarlyExit(threshold, 1, 'state'))
-    assert torch.equal(grt2.exit_steps.flatten(), expected)
+    model = exiting(grt2, threshold)
+    model(x)
+    assert torch.equal(model.exit_steps.flatten(), expected)
 
 
 # -----------------------------------------------------------------------------
@@ -301,9 +312,10 @@ def test_recurrent_baselines_exit_and_zero_threshold_is_full_depth():
         idx = tokens(2, 4)
         full = model.generate(idx, 8, temperature=0)
         for exit in ('state', 'kl'):
-            assert torch.equal(model.generate(idx, 8, temperature=0, exit_threshold=0, exit=exit), full)
-            model.generate(idx, 8, temperature=0, exit_threshold=1e30, min_steps=2, exit=exit)
-            assert (model.exit_steps == 2).all()
+            assert torch.equal(exiting(model, 0, exit=exit).generate(idx, 8, temperature=0), full)
+            always = exiting(model, 1e30, 2, exit)
+            always.generate(idx, 8, temperature=0)
+            assert (always.exit_steps == 2).all()
 
 
 @pytest.mark.parametrize('model_type', ['grt', 'rung4'])
@@ -320,33 +332,33 @@ def test_compiled_decoding_with_exits_equals_eager(model_type):
                            **ends).eval()
     compiled.load_state_dict(eager.state_dict())
     torch.compiler.reset()
-    compiled.compile_regions(dynamic=True, backend='eager')
+    compile_regions(compiled, dynamic=True, backend='eager')
     idx = tokens(2, 5, seed=1)
     for exit, threshold in (('state', 1.0), ('kl', 0.01)):
-        settings = dict(temperature=0, exit_threshold=threshold, exit=exit)
-        assert torch.equal(compiled.generate(idx, 8, **settings), eager.generate(idx, 8, **settings))
+        assert torch.equal(exiting(compiled, threshold, exit=exit).generate(idx, 8, temperature=0),
+                           exiting(eager, threshold, exit=exit).generate(idx, 8, temperature=0))
 
 
 def test_exit_refused_where_it_does_not_apply(grt):
     idx = tokens(1, 4)
     with pytest.raises(ValueError, match="mor's routers"):
-        build_model('mor', vocab_size=V, block_size=32, n_embd=32, n_head=4).eval().generate(idx, 2, exit_threshold=0.1)
+        exiting(build_model('mor', vocab_size=V, block_size=32, n_embd=32, n_head=4).eval(), 0.1).generate(idx, 2)
     with pytest.raises(ValueError, match='dense GPT has no loop'):
-        tiny_model('gpt').generate(idx, 2, exit_threshold=0.1)
+        exiting(tiny_model('gpt'), 0.1).generate(idx, 2)
     with pytest.raises(ValueError, match='min_steps=5 exceeds'):
-        grt.generate(idx, 2, exit_threshold=0.1, min_steps=5)
+        exiting(grt, 0.1, min_steps=5).generate(idx, 2)
     with pytest.raises(ValueError, match='exit must be one of'):
-        grt.generate(idx, 2, exit_threshold=0.1, exit='entropy')
+        exiting(grt, 0.1, exit='entropy')
     with pytest.raises(ValueError, match='exit_threshold must be a number'):
-        grt.generate(idx, 2, exit_threshold=-1)
+        exiting(grt, -1)
     with pytest.raises(ValueError, match="use kv_mode='per_step' or exit='state'"):
-        grt.generate(idx, 2, exit_threshold=0.1, exit='kl', kv_mode='mean')
+        exiting(grt, 0.1, exit='kl').generate(idx, 2, kv_mode='mean')
     with pytest.raises(ValueError, match='min_steps must be an integer'):
-        grt.generate(idx, 2, exit_threshold=0.1, min_steps=0)
+        exiting(grt, 0.1, min_steps=0)
     grt.train()
     try:
         with pytest.raises(ValueError, match='early exit is for inference'):
-            grt(idx, early_exit=EarlyExit(0.1))
+            exiting(grt, 0.1)(idx)
     finally:
         grt.eval()
 
