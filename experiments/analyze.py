@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import prepare_data
 from common import Batches, fail, load_model, read_settings, rng_key
@@ -58,33 +59,30 @@ DEFAULTS = dict(
 def trace(model):
     """Record, for the forward passes run inside the block: 'e' (the prelude output, of the last pass), 'states'
     ([h_0, h_1, ..., h_r], each (B, T, d)) and, for a GRT, 'gates' ([g_1, ..., g_r], the gate values
-    of Eq. 5 at each step). step_inputs and recurrence_step are wrapped on this instance only, the
-    gate read by a forward hook on f_g's last Linear: GRT's code stays Eq. 2-5 as written."""
+    of Eq. 5 at each step). recurrence_step is wrapped on this instance only and the gate read by a
+    forward hook on f_g's last Linear, so GRT's code stays Eq. 2-5 as written."""
     if not isinstance(model, RecurrentLM):
         raise TypeError(f"{type(model).__name__} has no recurrence to trace")
     record = dict(e=None, states=[], gates=[])
-    step_inputs, step = model.step_inputs, model.recurrence_step
-
-    def recording_inputs(e):
-        record['e'] = e
-        return step_inputs(e)
+    step = model.recurrence_step
 
     def recording_step(h, e, caches):
         if not record['states']:
             record['states'].append(h)
+        record['e'] = e
         h = step(h, e, caches)
         record['states'].append(h)
         return h
 
-    model.step_inputs, model.recurrence_step = recording_inputs, recording_step
+    model.recurrence_step = recording_step
     hook = None
     if isinstance(model, GRT):  # f_g's output is the gate's logit; eval has no eps_g: g = sigmoid(logit / tau)
-        hook = model.gate[-1].register_forward_hook(
+        hook = model.gate_out.register_forward_hook(
             lambda module, inputs, logit: record['gates'].append(torch.sigmoid(logit / model.config.gate_tau)))
     try:
         yield record
     finally:
-        del model.step_inputs, model.recurrence_step  # back to the class's methods
+        del model.recurrence_step  # back to the class's method
         if hook is not None:
             hook.remove()
 
@@ -103,13 +101,14 @@ def relative_change(new, old):
 
 
 @torch.no_grad()
-def measure(model, batches, max_steps):
+def measure(model, batches, max_steps, desc='measuring'):
     """Per step r = 1..max_steps: mean gate (GRT; else None), mean relative state change, exit loss,
-    the std of h_r; and the std of the prelude output e. Averaged over the batches (lists of (x, y))."""
+    the std of h_r; and the std of the prelude output e. Averaged over the batches (lists of (x, y)),
+    with a progress bar over them (desc)."""
     model.eval()
     gates, changes, losses, stds = ([[] for _ in range(max_steps)] for _ in range(4))
     e_std = []
-    for x, y in batches:
+    for x, y in tqdm(batches, desc=desc, unit='batch', dynamic_ncols=True):
         with trace(model) as record:
             model(x, num_steps=max_steps)
         states = record['states']
@@ -143,41 +142,43 @@ def token_map(model, idx, max_steps):
 # Report
 
 
-def plot_steps(result, R, path):
-    import matplotlib.pyplot as plt
+def plot_steps(result, R):
+    """The gate, exit loss and state change against r, a panel each; one legend below the panels."""
+    from matplotlib.figure import Figure
     steps = list(range(1, len(result['change']) + 1))
     panels = [('exit_loss', 'val loss when the coda reads h_r'), ('change', '||h_r - h_(r-1)|| / ||h_r||')]
     if result['gate'][0] is not None:
         panels.insert(0, ('gate', 'mean gate g (1 keeps h)'))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    for ax, (key, label) in zip(axes, panels):
-        ax.plot(steps, result[key], marker='o')
+    fig = Figure(figsize=(4.2 * len(panels), 3.9), layout='constrained')
+    lines = {}
+    for ax, (key, label) in zip(fig.subplots(1, len(panels)), panels):
+        lines['trained'], = ax.plot(steps, result[key], marker='o', label='trained')
         if result.get('init') and key == 'gate':
-            ax.plot(steps, result['init']['gate'], marker='.', ls=':', color='gray', label='at init')
-            ax.legend(fontsize=8)
-        ax.axvline(R, color='gray', ls='--', lw=1)
-        ax.set(xlabel='recurrence step r (dashed: trained R)', title=label)
+            lines['init'], = ax.plot(steps, result['init']['gate'], marker='.', ls=':', color='gray',
+                                     label='at initialisation')
+        lines['R'] = ax.axvline(R, color='gray', ls='--', lw=1, label=f'trained depth R = {R}')
+        ax.set(xlabel='recurrence step r', title=label)
         ax.set_xticks(steps)
+    fig.legend(handles=list(lines.values()), loc='outside lower center', ncol=len(lines), frameon=False)
     fig.suptitle(result['title'], fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def plot_heatmap(values, label, chars, R, title, path):
-    import matplotlib.pyplot as plt
+def plot_heatmap(values, label, chars, R, title):
+    """values (steps, T) as colours, a row per recurrence step and a column per character of the text."""
+    from matplotlib.figure import Figure
     steps, T = values.shape
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.13 * T), 0.35 * steps + 1.6))
+    fig = Figure(figsize=(max(8.0, 0.13 * T), 0.35 * steps + 1.8), layout='constrained')
+    ax = fig.subplots()
     im = ax.imshow(values.numpy(), aspect='auto', cmap='viridis', interpolation='nearest')
     ax.set_xticks(range(T))
     ax.set_xticklabels([{'\n': '\u21b5', ' ': '\u2423'}.get(ch, ch) for ch in chars], fontsize=7, family='monospace')
     ax.set_yticks(range(steps))
     ax.set_yticklabels([f'{r + 1}' + ('*' if r + 1 == R else '') for r in range(steps)], fontsize=7)
-    ax.set(ylabel='recurrence step (* = R)', title=title)
+    ax.set(xlabel='character of the text (\u21b5 newline, \u2423 space)', ylabel='recurrence step (* = R)',
+           title=title)
     fig.colorbar(im, ax=ax, label=label, fraction=0.03, pad=0.01)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def markdown(result):
@@ -226,19 +227,18 @@ def analyze(c):
              f"(use grt, huginn or a ladder rung)")
     R = model.config.n_recur
     max_steps = c['max_steps'] or 2 * R
+    if max_steps < R:
+        fail(f"max_steps={max_steps} is below the trained R = {R}; pass --max_steps={R} or more (0 = 2R)")
     batches, val = val_batches(checkpoint, c['data_dir'], c['eval_iters'], c['seed'], c['device'])
-    print(f"measuring {max_steps} steps on {c['eval_iters']} val batches ...")
-    result = measure(model, batches, max_steps)
-    with torch.no_grad():
-        val_loss = statistics.fmean(model(x, y)[1].item() for x, y in batches)
+    result = measure(model, batches, max_steps, desc=f"trained model, {max_steps} steps")
     init_model = fresh_model(checkpoint).to(c['device'])
-    print("measuring the same model at initialisation ...")
-    init = measure(init_model, batches[:max(1, len(batches) // 4)], max_steps)
+    init = measure(init_model, batches[:max(1, len(batches) // 4)], max_steps, desc="the same model at init")
     noise = getattr(model.config, 'state_noise', None)
-    result.update(
-        title=f"{model_type_of(model)} {model.config.n_prelude}+{model.config.n_core}x{R}+{model.config.n_coda} "
-              f"({c['out_dir']}/{c['ckpt']}, iteration {checkpoint.get('iter_num')})",
-        R=R, val_loss=val_loss, eval_iters=len(batches), tokens=sum(x.numel() for x, _ in batches),
+    result.update(  # no path in the title: it goes into committed plots
+        title=f"{model_type_of(model)} {model.config.n_prelude}+{model.config.n_core}x{R}+{model.config.n_coda}, "
+              f"iteration {checkpoint.get('iter_num')}",
+        R=R, val_loss=result['exit_loss'][R - 1],  # the coda reading h_R is the model's own forward
+        eval_iters=len(batches), tokens=sum(x.numel() for x, _ in batches),
         init=dict(gate=init['gate'], change=init['change'], state_std=init['state_std']),
         noise_scale=dict(init=dict(e_std=init['e_std'], state_noise=noise),
                          trained=dict(e_std=result.pop('e_std'), state_noise=noise)))
@@ -269,22 +269,20 @@ def analyze(c):
         f.write(markdown(result))
     print(markdown(result))
     try:
-        import matplotlib
-        matplotlib.use('Agg')
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib is not installed: tables only (pip install matplotlib for the plots)")
         return result
     name = model_type_of(model)
-    plot_steps(result, R, os.path.join(img_dir, f'{name}_steps.png'))
-    maps = [('heatmap', gate_map, 'mean gate g over channels (1 keeps the state)'),
-            ('heatmap_change', change_map, '||h_r - h_(r-1)|| / ||h_r||')]
-    written = [f'{name}_steps.png']
-    for suffix, values, label in maps:
+    figures = {f'{name}_steps.png': plot_steps(result, R)}
+    for suffix, values, label in [('heatmap', gate_map, 'mean gate g over channels (1 keeps the state)'),
+                                  ('heatmap_change', change_map, '||h_r - h_(r-1)|| / ||h_r||')]:
         if values is not None:
-            plot_heatmap(values.cpu(), label, chars, R, f"{result['title']}: {label} per character and step",
-                         os.path.join(img_dir, f'{name}_{suffix}.png'))
-            written.append(f'{name}_{suffix}.png')
-    print(f"wrote {analysis_dir}/analysis.md, analysis.json; in {img_dir}: {', '.join(written)}")
+            figures[f'{name}_{suffix}.png'] = plot_heatmap(values.cpu(), label, chars, R,
+                                                           f"{result['title']}: {label} per character and step")
+    for file, fig in figures.items():
+        fig.savefig(os.path.join(img_dir, file), dpi=120)
+    print(f"wrote {analysis_dir}/analysis.md, analysis.json; in {img_dir}: {', '.join(figures)}")
     return result
 
 

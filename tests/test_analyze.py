@@ -44,8 +44,9 @@ def written_out_grt(model, x, steps):
     e = run(model.transformer.prelude, embed(model, x))
     h, states, gates = e, [e], []
     for _ in range(steps):
-        o = run(model.transformer.core, model.proj(torch.cat([h, e], dim=-1)))
-        g = torch.sigmoid(model.gate(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1)) / model.config.gate_tau)
+        o = run(model.transformer.core, model.W_proj(torch.cat([h, e], dim=-1)))
+        x = torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1)
+        g = torch.sigmoid(model.gate_out(F.silu(model.gate_in(x))) / model.config.gate_tau)
         h = g * h + (1 - g) * o
         states.append(h)
         gates.append(g)
@@ -63,7 +64,7 @@ def test_trace_records_the_states_and_gates_of_eq_2_to_5():
     assert len(record['states']) == 7 and len(record['gates']) == 6
     for mine, theirs in zip(record['states'] + record['gates'], states + gates):
         torch.testing.assert_close(mine, theirs)
-    assert not {'step_inputs', 'recurrence_step'} & vars(model).keys() and not model.gate[-1]._forward_hooks  # left as it was
+    assert 'recurrence_step' not in vars(model) and not model.gate_out._forward_hooks  # left as it was
 
 
 @torch.no_grad()
@@ -133,9 +134,11 @@ def test_analyze_script_end_to_end(char_data, tmp_path):
     # the checkpoint holds the freshly built weights, so "at init" and "trained" measure the same model
     assert result['noise_scale']['init']['e_std'] == pytest.approx(result['noise_scale']['trained']['e_std'], rel=0.2)
     assert result['init']['gate'][:4] == pytest.approx(result['gate'][:4], abs=0.02)
+    assert result['val_loss'] == pytest.approx(result['exit_loss'][3])
     with open(os.path.join(out_dir, 'analysis', 'analysis.json')) as f:
         assert json.load(f)['R'] == 4
-    assert '| 4 (R) |' in open(os.path.join(out_dir, 'analysis', 'analysis.md')).read()
+    report = open(os.path.join(out_dir, 'analysis', 'analysis.md')).read()
+    assert '| 4 (R) |' in report and report.startswith('# grt 1+1x4+1, iteration 100\n')  # no path: plots are committed
     pytest.importorskip('matplotlib')
     assert os.path.isfile(os.path.join(img_dir, 'grt_steps.png'))
     assert os.path.isfile(os.path.join(img_dir, 'grt_heatmap.png'))
@@ -148,3 +151,23 @@ def test_analyze_refuses_mor_and_dense_models(tmp_path):
         out_dir = save_checkpoint(str(tmp_path / model_type), model, model_type, config=dict(dataset='tiny'))
         with pytest.raises(SystemExit, match="traces a recurrent model's steps"):
             analyze.main([f'--out_dir={out_dir}'])
+
+
+@torch.no_grad()
+def test_plots_name_every_line_and_axis():
+    """The steps plot: every line has a legend entry, and the one legend sits below the panels; the heatmap
+    labels its character axis and shows newline and space as visible marks."""
+    pytest.importorskip('matplotlib')
+    result = analyze.measure(grt(), [batch(0)], 8)
+    result.update(title='grt 1+1x4+1, iteration 100', init=dict(gate=[0.98] * 8))
+    fig = analyze.plot_steps(result, 4)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ['trained', 'at initialisation', 'trained depth R = 4']
+    assert len(fig.axes) == 3 and all(line.get_label() in legend for ax in fig.axes for line in ax.get_lines())
+    fig.draw_without_rendering()
+    assert fig.legends[0].get_window_extent().y1 < min(ax.get_tightbbox().y0 for ax in fig.axes)
+    gate, _ = analyze.token_map(grt(), torch.tensor([[CHARS.index(ch) for ch in 'To be\n']]), 8)
+    ax = analyze.plot_heatmap(gate, 'gate', list('To be\n'), 4, 'title').axes[0]
+    assert ax.get_xlabel().startswith('character of the text') and ax.get_ylabel() == 'recurrence step (* = R)'
+    assert [t.get_text() for t in ax.get_xticklabels()] == ['T', 'o', '\u2423', 'b', 'e', '\u21b5']
+    assert ax.get_images()[0].get_array().shape == (8, 6)
