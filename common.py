@@ -63,6 +63,30 @@ def pick_device(name, local_rank=0):
     return name
 
 
+# -----------------------------------------------------------------------------
+# Cores shared with other work: torch's threads, and what the timings and the peak are worth
+
+
+def cpu_times():
+    """A snapshot for others_busy: (wall seconds, busy seconds of all cores from /proc/stat, this
+    process's CPU seconds); None where there is no /proc/stat (not Linux)."""
+    try:
+        with open('/proc/stat') as f:
+            ticks = [int(t) for t in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except OSError:
+        return None
+    return time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf('SC_CLK_TCK'), time.process_time()
+
+
+def others_busy(since):
+    """The cores other work kept busy since the cpu_times() snapshot `since`, on average: every core's
+    busy time (a VM's stolen time too) less this process's own. None where unknown."""
+    now = cpu_times()
+    if since is None or now is None or now[0] - since[0] < 0.05:
+        return None
+    return max(0.0, (now[1] - since[1] - (now[2] - since[2])) / (now[0] - since[0]))
+
+
 @functools.cache
 def cpu_bf16_speedup():
     """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU (the fastest of 5
@@ -185,10 +209,15 @@ def peak_flops_for(device, ptdtype, override, verbose=False):
 
 class Batches:
     """Windows of block_size + 1 tokens at uniformly random positions over all shards (a shard is
-    picked in proportion to its windows, then an offset in it), nanoGPT-style from np.memmap."""
+    picked in proportion to its windows, then an offset in it), nanoGPT-style from np.memmap.
+
+    shards are prepare_data.read_tokens' memmaps; each batch maps the shards it reads anew and unmaps
+    them when done. A memmap kept open for the run keeps every page it has read resident: the process
+    grew by the whole 2 GB file within 500 batches (nanoGPT#287; docs/long_runs.md)."""
 
     def __init__(self, shards, block_size, batch_size, device):
-        self.shards, self.block_size, self.batch_size, self.device = shards, block_size, batch_size, device
+        self.files = [(s.filename, s.offset, s.shape) for s in shards]  # no reference to the memmaps kept
+        self.block_size, self.batch_size, self.device = block_size, batch_size, device
         self.windows = torch.tensor([len(s) - block_size for s in shards], dtype=torch.float64)
         if self.windows.max() < 1:
             fail(f"the data holds at most {int(self.windows.max()) + block_size} tokens a file, too few for "
@@ -198,7 +227,10 @@ class Batches:
     def get(self, generator):
         ids = torch.multinomial(self.windows, self.batch_size, replacement=True, generator=generator)
         offsets = (torch.rand(self.batch_size, generator=generator, dtype=torch.float64) * self.windows[ids]).long()
-        rows = np.stack([self.shards[i][o:o + self.block_size + 1] for i, o in zip(ids.tolist(), offsets.tolist())])
+        ids = ids.tolist()
+        shards = {i: np.memmap(self.files[i][0], np.uint16, 'r', *self.files[i][1:]) for i in set(ids)}
+        rows = np.stack([shards[i][o:o + self.block_size + 1] for i, o in zip(ids, offsets.tolist())])
+        del shards  # unmapped here: the pages just read leave this process's resident memory
         batch = torch.from_numpy(rows.astype(np.int64))
         if self.device.startswith('cuda'):
             batch = batch.pin_memory().to(self.device, non_blocking=True)  # overlaps with the GPU's work
@@ -239,9 +271,9 @@ def load_model(init_from, out_dir, device, ckpt='best.pt'):
     """(model in eval mode on device, checkpoint or None) for a train.py checkpoint (init_from='resume')
     or a pretrained GPT-2 (init_from='gpt2', ...)."""
     if init_from in GPT2_NAMES:
-        from model import GPT
+        from model import from_pretrained
         try:
-            model = GPT.from_pretrained(init_from)
+            model = from_pretrained(init_from)
         except OSError as e:
             fail(f"could not load {init_from} from Hugging Face ({str(e).splitlines()[0]}); it needs "
                  f"internet access once, or a local copy in the Hugging Face cache")
@@ -273,7 +305,7 @@ def compile_regions(model, **compile_kwargs):
     for block in model.modules():
         if isinstance(block, Block):
             block.compile(**compile_kwargs)
-    if isinstance(model, RecurrentLM):
+    if isinstance(model, RecurrentLM) and hasattr(model, 'recurrence_step'):  # MoR routes: blocks only
         if model.config.n_core > 1:
             model.run_core = torch.compiler.disable(model.run_core, recursive=False)
         model.noise = torch.compiler.disable(model.noise)

@@ -13,13 +13,9 @@ blocks, then one shared core of blocks R times under a gated update, then a coda
 
 Read top to bottom: the configs, the Block, LanguageModel (embeddings, tied head, loss, generation),
 GPT, RecurrentLM (prelude -> core loop -> coda) and GRT (Eq. 2-5 in GRT.recurrence_step).
-Beside it: kv_cache.py (the caches), early_exit.py (per-token early exit at inference),
-experiments/baselines.py (Huginn, MoR and the ablation ladder, each a RecurrentLM).
-
 References: nanoGPT (Karpathy) for the GPT-2 side; the GRT paper for the recurrence.
 """
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -42,13 +38,13 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
-    gelu_approximate: str = 'none'  # 'none': exact GELU, as nanoGPT; 'tanh': GPT-2's own (from_pretrained)
+    gelu_approximate: str = 'none'  # exact GELU, as nanoGPT; 'tanh': GPT-2's own (from_pretrained)
 
     def __post_init__(self):
         check(min(self.block_size, self.vocab_size, self.n_head, self.n_embd) >= 1,
               "block_size, vocab_size, n_head and n_embd must be >= 1")
         check(self.n_embd % self.n_head == 0,
-              f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick n_head from its divisors")
+              f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): pick one of its divisors")
         check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.gelu_approximate in ('none', 'tanh'),
               f"gelu_approximate must be 'none' (exact GELU) or 'tanh', got {self.gelu_approximate!r}")
@@ -68,8 +64,8 @@ class RecurrentConfig(GPTConfig):
         check(self.n_core >= 1 and self.n_recur >= 1, "n_core and n_recur (R) must be >= 1")
         check(self.n_prelude >= 0 and self.n_coda >= 0, "n_prelude and n_coda must be >= 0")
         unique = self.n_prelude + self.n_core + self.n_coda
-        check(self.n_layer in (None, unique), f"n_layer={self.n_layer} conflicts with n_prelude + n_core + "
-                                              f"n_coda = {unique}; leave n_layer out, it is derived")
+        check(self.n_layer in (None, unique),
+              f"n_layer={self.n_layer} is not n_prelude + n_core + n_coda = {unique}; leave it out (derived)")
         self.n_layer = unique
 
 
@@ -83,7 +79,7 @@ class GRTConfig(RecurrentConfig):
     def __post_init__(self):
         super().__post_init__()
         check(self.gate_tau > 0, f"gate_tau must be > 0, got {self.gate_tau}")
-        check(self.state_noise >= 0 and self.gate_noise >= 0, "state_noise and gate_noise are standard deviations, >= 0")
+        check(min(self.state_noise, self.gate_noise) >= 0, "state_noise and gate_noise are std's, >= 0")
 
 
 def check(condition, message):
@@ -98,8 +94,10 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # output projection
+        # key, query, value projections for all heads, in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # output projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
@@ -110,19 +108,18 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        past = 0 if cache is None else cache.length  # earlier tokens whose keys and values are cached
+        past = 0 if cache is None else cache.length  # earlier tokens, whose keys and values are cached
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, past + T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        # causal self-attention: (B, nh, T, hs) x (B, nh, hs, past + T) -> (B, nh, T, past + T) -> (B, nh, T, hs)
+        # causal self-attention; (B, nh, T, hs) x (B, nh, hs, past + T) -> (B, nh, T, past + T)
         if past == 0:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        elif T == 1:  # one new token sees every cached token and itself
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         else:  # new token t sees the cached tokens and the new ones up to itself
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        # output projection
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -205,24 +202,23 @@ class LanguageModel(nn.Module):
         return n
 
     def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
-        """idx (B, T) -> (logits, loss). With targets: logits at every position and the loss (target -1
-        is ignored); without: logits at the last position. kv_cache (new_kv_cache) holds the earlier
-        tokens, and idx are the tokens after them. num_steps: the recurrence depth r (recurrent models)."""
+        """idx (B, T) -> (logits, loss). With targets: logits at every position and the loss (target
+        -1 is ignored); without: logits at the last position. kv_cache (new_kv_cache) holds earlier
+        tokens, idx the tokens after them. num_steps: the recurrence depth r (recurrent models)."""
         x = self.embed(idx, kv_cache)
         x = self.body(x, num_steps, kv_cache)
         return self.head(x, targets)
 
     def embed(self, idx, kv_cache=None):
-        start = kv_cache[0].length if kv_cache else 0  # position of idx's first token
-        if start + idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence of {start + idx.size(1)} tokens exceeds block_size {self.config.block_size}; "
-                             f"crop the context to its last {self.config.block_size} tokens")
-        pos = torch.arange(start, start + idx.size(1), dtype=torch.long, device=idx.device)
+        start = kv_cache[0].length if kv_cache else 0  # the cached tokens come first
+        end = start + idx.size(1)
+        check(end <= self.config.block_size, f"sequence of {end} tokens exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, end, dtype=torch.long, device=idx.device)  # shape (T)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
 
     def head(self, x, targets=None):
         x = self.transformer.ln_f(x)
-        if targets is None:  # inference: only the last position's logits are needed
+        if targets is None:  # inference: only the last position's logits, the list [-1] keeps the time dim
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -231,8 +227,7 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None, use_cache=True,
                  kv_mode='per_step'):
-        """Append max_new_tokens sampled tokens to idx (B, T) and return it; temperature 0 is greedy.
-        kv_mode: how a recurrent model caches its core (kv_cache.py)."""
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 is greedy."""
         new = self.generate_tokens(idx, max_new_tokens, temperature, top_k, num_steps, use_cache, kv_mode)
         return torch.cat([idx, *new], dim=1)
 
@@ -254,7 +249,8 @@ class LanguageModel(nn.Module):
                 logits, _ = forward(idx[:, -1:], num_steps=num_steps, kv_cache=kv_cache)
             else:  # the first token, or the window is full and slides: (re)build the cache
                 context = idx[:, -block_size:]
-                kv_cache = self.new_kv_cache(min(block_size, context.size(1) + max_new_tokens), num_steps, kv_mode)
+                max_len = min(block_size, context.size(1) + max_new_tokens)
+                kv_cache = self.new_kv_cache(max_len, num_steps, kv_mode)
                 logits, _ = forward(context, num_steps=num_steps, kv_cache=kv_cache)
             token = sample_next(logits[:, -1, :], temperature, top_k)
             idx = torch.cat((idx, token), dim=1)
@@ -273,19 +269,8 @@ class LanguageModel(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
                   {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
-        fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type in ('cuda', 'cpu')
+        fused = device_type in ('cuda', 'cpu')  # one kernel for all parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
-
-
-def sample_next(logits, temperature=1.0, top_k=None):
-    """Draw one token per row from (B, vocab) logits; temperature 0 means greedy."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
 # -----------------------------------------------------------------------------
@@ -304,36 +289,13 @@ class GPT(LanguageModel):
         return run_blocks(self.transformer.h, x, kv_cache or [None] * self.config.n_layer)
 
     def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
-        check(kv_mode == 'per_step', f"kv_mode={kv_mode!r} applies to a GRT's recurrent core; a GPT has only 'per_step'")
+        check(kv_mode == 'per_step', f"kv_mode={kv_mode!r} is for a GRT's core; a GPT has only 'per_step'")
         return [KVCache(max_len) for _ in self.transformer.h]
 
     def flops_per_token(self, seq_len, num_steps=None):
-        """Forward FLOPs per token, LM head excluded: per layer 24 d^2 (weights) + 4 S d (attention)."""
+        """Forward FLOPs per token, LM head excluded: a layer's weights 24 d^2, its attention 4 S d."""
         d = self.config.n_embd
         return self.config.n_layer * (24 * d * d + 4 * seq_len * d)
-
-    @classmethod
-    def from_pretrained(cls, name_or_model, dropout=0.0):
-        """GPT-2's weights from a name ('gpt2', 'gpt2-medium', ...) or a Hugging Face GPT2LMHeadModel;
-        transformers is needed only here. The MLP takes GPT-2's tanh GELU, so the logits are OpenAI's."""
-        hf = name_or_model
-        if isinstance(name_or_model, str):
-            try:
-                from transformers import GPT2LMHeadModel
-            except ImportError:
-                raise ImportError("loading pretrained GPT-2 needs transformers: pip install transformers") from None
-            hf = GPT2LMHeadModel.from_pretrained(name_or_model)
-        c = hf.config
-        model = cls(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                              n_embd=c.n_embd, dropout=dropout, bias=True, gelu_approximate='tanh'))
-        sd, sd_hf = model.state_dict(), hf.state_dict()
-        # Hugging Face stores these as Conv1D, (in, out): transpose them into our Linears
-        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-        with torch.no_grad():
-            for k in sd:
-                if k != 'lm_head.weight':  # tied to wte
-                    sd[k].copy_(sd_hf[k].t() if k.endswith(transposed) else sd_hf[k])
-        return model
 
 
 # -----------------------------------------------------------------------------
@@ -353,7 +315,7 @@ class RecurrentLM(LanguageModel):
         self.transformer.coda = nn.ModuleList([Block(config) for _ in range(config.n_coda)])
 
     def _finish_init(self):
-        """The residual scaling counts the blocks a token passes at depth R: each core pass adds again."""
+        """The residual scaling counts the block passes at depth R: each core pass adds again."""
         super()._finish_init(residual_depth=self.num_block_passes(self.config.n_recur))
 
     def body(self, x, num_steps=None, kv_cache=None):
@@ -373,9 +335,6 @@ class RecurrentLM(LanguageModel):
             h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
         return h
 
-    def recurrence_step(self, h, e, caches):
-        raise NotImplementedError  # the new state from h and e: GRT's is Eq. 2-5
-
     def initial_state(self, e):
         return e.clone()  # h0 = e; a copy, so a compiled step never sees h and e as one tensor
 
@@ -392,10 +351,11 @@ class RecurrentLM(LanguageModel):
         return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0
 
     def resolve_steps(self, num_steps):
-        if num_steps is None:  # training without train.py's generator: the global one
-            return int(torch.randint(1, self.config.n_recur + 1, ()).item()) if self.training else self.config.n_recur
-        check(int(num_steps) == num_steps and num_steps >= 1, f"num_steps must be an integer >= 1 (the model was "
-                                                              f"trained with R = {self.config.n_recur}), got {num_steps}")
+        """r: num_steps if given, else a draw in training (from torch's global generator) and R in eval."""
+        if num_steps is None:
+            return self.sample_depth(None) if self.training else self.config.n_recur
+        check(int(num_steps) == num_steps and num_steps >= 1,
+              f"num_steps must be an integer >= 1 (trained with R = {self.config.n_recur}), got {num_steps}")
         return int(num_steps)
 
     def sample_depth(self, generator):
@@ -410,11 +370,12 @@ class RecurrentLM(LanguageModel):
         return c.n_prelude + c.n_core * r + c.n_coda
 
     def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
-        c, r = self.config, self.resolve_steps(self.config.n_recur if num_steps is None else num_steps)
+        c = self.config
+        r = self.resolve_steps(c.n_recur if num_steps is None else num_steps)
         return recurrent_kv_cache(max_len, c.n_prelude, c.n_core, c.n_coda, r, kv_mode)
 
     def flops_per_token(self, seq_len, num_steps=None):
-        """Forward FLOPs per token, LM head excluded: 24 d^2 + 4 S d a block pass, plus step_flops a step.
+        """Forward FLOPs per token, LM head excluded: 24 d^2 + 4 S d a block pass, step_flops a step;
         num_steps defaults to R, and may be a mean (e.g. (R + 1) / 2 in training)."""
         c, d = self.config, self.config.n_embd
         r = c.n_recur if num_steps is None else num_steps
@@ -438,7 +399,7 @@ class GRT(RecurrentLM):
         self.W_proj = nn.Linear(2 * d, d, bias=config.bias)  # Eq. 2
         self.ln_h = nn.LayerNorm(d, bias=config.bias)  # Eq. 5's LN(h) and LN(e)
         self.ln_e = nn.LayerNorm(d, bias=config.bias)
-        self.gate_in = nn.Linear(2 * d, d, bias=config.bias)  # f_g = gate_out(SiLU(gate_in(.))), Eq. 5
+        self.gate_in = nn.Linear(2 * d, d, bias=config.bias)  # f_g of Eq. 5: gate_in -> SiLU -> gate_out
         self.gate_out = nn.Linear(d, d)
         self._finish_init()
         nn.init.constant_(self.gate_out.bias, config.gate_bias)  # +4: g starts near 1, keeping h
@@ -449,11 +410,50 @@ class GRT(RecurrentLM):
         eps_g = self.noise(h, c.gate_noise)
         u = self.W_proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2
         o = self.run_core(u, caches)  # Eq. 3: the same core weights at every step
-        g = torch.sigmoid(self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
+        f = self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1))
+        g = torch.sigmoid(f / c.gate_tau + eps_g)  # Eq. 5
         return g * h + (1 - g) * o  # Eq. 4
 
     def f_g(self, x):
         return self.gate_out(F.silu(self.gate_in(x)))
 
     def step_flops(self):
-        return 10 * self.config.n_embd ** 2  # W_proj (2 * 2d^2) and f_g (2 * 3d^2), per token and step
+        return 10 * self.config.n_embd ** 2  # W_proj (2 * 2d^2) and f_g (2 * 3d^2) a token and step
+
+
+# -----------------------------------------------------------------------------
+# Helpers
+
+
+def sample_next(logits, temperature=1.0, top_k=None):
+    """Draw one token per row from (B, vocab) logits; temperature 0 means greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
+def from_pretrained(name_or_model, dropout=0.0):
+    """A GPT with GPT-2's weights, from a name ('gpt2', 'gpt2-medium', ...) or a Hugging Face
+    GPT2LMHeadModel; transformers is needed only here. GPT-2's tanh GELU keeps OpenAI's logits."""
+    hf = name_or_model
+    if isinstance(name_or_model, str):
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise ImportError("GPT-2's weights need transformers: pip install transformers") from None
+        hf = GPT2LMHeadModel.from_pretrained(name_or_model)
+    c = hf.config
+    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                          n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, gelu_approximate='tanh'))
+    sd, sd_hf = model.state_dict(), hf.state_dict()
+    # Hugging Face stores these as Conv1D, (in, out): transpose them into our Linears
+    transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+    with torch.no_grad():
+        for k in sd:
+            if k != 'lm_head.weight':  # tied to wte
+                sd[k].copy_(sd_hf[k].t() if k.endswith(transposed) else sd_hf[k])
+    return model

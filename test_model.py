@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import compile_regions
-from model import GPT, MLP, GPTConfig, GRTConfig
+from model import GPT, MLP, GPTConfig, GRTConfig, from_pretrained
 from registry import MODELS, PRESETS, build_model, preset
 
 VOCAB = 256
@@ -327,7 +327,7 @@ def test_configure_optimizers_covers_every_parameter_once(model):
     (lambda: GPTConfig(n_embd=100, n_head=3), 'divisible by n_head'),
     (lambda: GRTConfig(n_recur=0), 'n_recur'),
     (lambda: GRTConfig(n_core=0), 'n_core'),
-    (lambda: GRTConfig(n_prelude=1, n_core=2, n_coda=1, n_layer=12), 'conflicts'),
+    (lambda: GRTConfig(n_prelude=1, n_core=2, n_coda=1, n_layer=12), 'leave it out'),
     (lambda: preset('gpt2-huge'), 'known presets: gpt2-small'),
     (lambda: build_model('rnn'), 'known: gpt'),
     (lambda: tiny('tiny-grt').eval()(torch.zeros(1, 4, dtype=torch.long), num_steps=0), 'num_steps'),
@@ -378,7 +378,7 @@ def test_gpt_matches_hugging_face_gpt2():
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.2)  # random everywhere, biases and LayerNorms included
-    ours = GPT.from_pretrained(hf).eval()
+    ours = from_pretrained(hf).eval()
     idx = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(logits_all(ours, idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
