@@ -245,6 +245,30 @@ class Batches:
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
+def from_pretrained(name_or_model, dropout=0.0):
+    """A model.GPT with GPT-2's weights, from a name ('gpt2', 'gpt2-medium', ...) or a Hugging Face
+    GPT2LMHeadModel; transformers is needed only here. GPT-2's tanh GELU keeps OpenAI's logits."""
+    hf = name_or_model
+    if isinstance(name_or_model, str):
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise ImportError("GPT-2's weights need transformers: pip install transformers") from None
+        hf = GPT2LMHeadModel.from_pretrained(name_or_model)
+    c = hf.config
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
+                          n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, gelu_approximate='tanh'))
+    sd, sd_hf = model.state_dict(), hf.state_dict()
+    # Hugging Face stores these as Conv1D, (in, out): transpose them into our Linears
+    transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+    with torch.no_grad():
+        for k in sd:
+            if k != 'lm_head.weight':  # tied to wte
+                sd[k].copy_(sd_hf[k].t() if k.endswith(transposed) else sd_hf[k])
+    return model
+
+
 def read_checkpoint(path, alternative=''):
     """torch.load of a train.py checkpoint (our own file: it holds the config too, so not weights_only).
     A truncated or corrupt file stops with one line, not torch's traceback; alternative is appended
@@ -271,7 +295,6 @@ def load_model(init_from, out_dir, device, ckpt='best.pt'):
     """(model in eval mode on device, checkpoint or None) for a train.py checkpoint (init_from='resume')
     or a pretrained GPT-2 (init_from='gpt2', ...)."""
     if init_from in GPT2_NAMES:
-        from model import from_pretrained
         try:
             model = from_pretrained(init_from)
         except OSError as e:

@@ -12,8 +12,8 @@ blocks, then one shared core of blocks R times under a gated update, then a coda
     logits = lm_head(ln_f(Coda(h)))
 
 Read top to bottom: the configs, the Block, LanguageModel (embeddings, tied head, loss, generation),
-GPT, RecurrentLM (prelude -> core loop -> coda) and GRT (Eq. 2-5 in GRT.recurrence_step).
-References: nanoGPT (Karpathy) for the GPT-2 side; the GRT paper for the recurrence.
+RecurrentLM (prelude -> core loop -> coda), GRT (Eq. 2-5 in GRT.recurrence_step) and GPT. After
+nanoGPT (Karpathy) for the GPT-2 side, and the GRT paper for the recurrence.
 """
 
 import math
@@ -57,11 +57,18 @@ class RecurrentConfig(GPTConfig):
     n_prelude: int = 1
     n_core: int = 1
     n_coda: int = 1
-    n_recur: int = 10  # R: recurrence steps at eval; training samples r ~ Uniform{1..R}
+    n_recur: int = 10  # R: recurrence steps at eval
+    # the training choices (issue 19, docs/depth.md); the defaults are the paper's
+    train_depth: str = 'uniform'  # r in training: 'uniform' on 1..R, 'fixed' at R, 'heavy' (Huginn's, mean R + 1)
+    backprop_depth: int = None  # k: gradients through only the last k steps (truncated backprop); None: all
+    init_state: str = 'e'  # h0: 'e', the prelude output, or 'random', N(0, 0.02^2) in training and 0 in eval
 
     def __post_init__(self):
         super().__post_init__()
         check(self.n_core >= 1 and self.n_recur >= 1, "n_core and n_recur (R) must be >= 1")
+        check(self.train_depth in ('uniform', 'fixed', 'heavy'), "train_depth must be 'uniform', 'fixed' or 'heavy'")
+        check(self.backprop_depth is None or self.backprop_depth >= 1, "backprop_depth must be >= 1 (None: all)")
+        check(self.init_state in ('e', 'random'), "init_state must be 'e' or 'random'")
         check(self.n_prelude >= 0 and self.n_coda >= 0, "n_prelude and n_coda must be >= 0")
         unique = self.n_prelude + self.n_core + self.n_coda
         check(self.n_layer in (None, unique),
@@ -257,8 +264,7 @@ class LanguageModel(nn.Module):
             yield token
 
     def sample_depth(self, generator):
-        """The depth of one training micro-step, drawn by train.py's keyed generator. Dense: None."""
-        return None
+        return None  # the depth of a training micro-step (train.py's keyed generator): none for a dense model
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
         """Model FLOPs utilisation: training FLOPs (3x forward) per second over peak_flops."""
@@ -271,31 +277,6 @@ class LanguageModel(nn.Module):
                   {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
         fused = device_type in ('cuda', 'cpu')  # one kernel for all parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
-
-
-# -----------------------------------------------------------------------------
-# GPT-2
-
-
-class GPT(LanguageModel):
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self._finish_init(residual_depth=config.n_layer)
-
-    def body(self, x, num_steps=None, kv_cache=None):
-        """n_layer unique blocks (num_steps is ignored: a dense model has no recurrence)."""
-        return run_blocks(self.transformer.h, x, kv_cache or [None] * self.config.n_layer)
-
-    def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
-        check(kv_mode == 'per_step', f"kv_mode={kv_mode!r} is for a GRT's core; a GPT has only 'per_step'")
-        return [KVCache(max_len) for _ in self.transformer.h]
-
-    def flops_per_token(self, seq_len, num_steps=None):
-        """Forward FLOPs per token, LM head excluded: a layer's weights 24 d^2, its attention 4 S d."""
-        d = self.config.n_embd
-        return self.config.n_layer * (24 * d * d + 4 * seq_len * d)
 
 
 # -----------------------------------------------------------------------------
@@ -330,12 +311,16 @@ class RecurrentLM(LanguageModel):
 
     def recur(self, h, e, r, caches):
         """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
-        n = self.config.n_core
+        n, k = self.config.n_core, self.config.backprop_depth
+        no_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: only the last k steps
         for step in range(r):
-            h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= no_grad):
+                h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
         return h
 
     def initial_state(self, e):
+        if self.config.init_state == 'random':  # Huginn's h0: TruncNormal(0, 0.02^2), its mean 0 in eval
+            return nn.init.trunc_normal_(torch.empty_like(e), std=0.02, a=-0.06, b=0.06) if self.training else 0 * e
         return e.clone()  # h0 = e; a copy, so a compiled step never sees h and e as one tensor
 
     def before_coda(self, h):
@@ -359,11 +344,20 @@ class RecurrentLM(LanguageModel):
         return int(num_steps)
 
     def sample_depth(self, generator):
-        """r ~ Uniform{1..R}: every exit is trained."""
-        return int(torch.randint(1, self.config.n_recur + 1, (), generator=generator).item())
+        """Training's r: Uniform{1..R} trains every exit (the paper); or R; or Huginn's heavy tail."""
+        c = self.config
+        if c.train_depth == 'heavy':
+            return int(heavy_tailed_depths(c.n_recur, 1, generator).item())
+        if c.train_depth == 'fixed':
+            return c.n_recur
+        return int(torch.randint(1, c.n_recur + 1, (), generator=generator).item())
 
     def mean_train_steps(self):
-        return (self.config.n_recur + 1) / 2  # E[r] under Uniform{1..R}, for training FLOPs and MFU
+        """E[r] in training, for training FLOPs and MFU ('heavy': from 65536 seeded draws)."""
+        c = self.config
+        if c.train_depth == 'heavy':
+            return heavy_tailed_depths(c.n_recur, 65536, torch.Generator().manual_seed(0)).float().mean().item()
+        return c.n_recur if c.train_depth == 'fixed' else (c.n_recur + 1) / 2
 
     def num_block_passes(self, r):
         c = self.config
@@ -422,6 +416,31 @@ class GRT(RecurrentLM):
 
 
 # -----------------------------------------------------------------------------
+# GPT-2, the dense baseline
+
+
+class GPT(LanguageModel):
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self._finish_init(residual_depth=config.n_layer)
+
+    def body(self, x, num_steps=None, kv_cache=None):
+        """n_layer unique blocks (num_steps is ignored: a dense model has no recurrence)."""
+        return run_blocks(self.transformer.h, x, kv_cache or [None] * self.config.n_layer)
+
+    def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
+        check(kv_mode == 'per_step', f"kv_mode={kv_mode!r} is for a GRT's core; a GPT has only 'per_step'")
+        return [KVCache(max_len) for _ in self.transformer.h]
+
+    def flops_per_token(self, seq_len, num_steps=None):
+        """Forward FLOPs per token, LM head excluded: a layer's weights 24 d^2, its attention 4 S d."""
+        d = self.config.n_embd
+        return self.config.n_layer * (24 * d * d + 4 * seq_len * d)
+
+
+# -----------------------------------------------------------------------------
 # Helpers
 
 
@@ -436,24 +455,8 @@ def sample_next(logits, temperature=1.0, top_k=None):
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
-def from_pretrained(name_or_model, dropout=0.0):
-    """A GPT with GPT-2's weights, from a name ('gpt2', 'gpt2-medium', ...) or a Hugging Face
-    GPT2LMHeadModel; transformers is needed only here. GPT-2's tanh GELU keeps OpenAI's logits."""
-    hf = name_or_model
-    if isinstance(name_or_model, str):
-        try:
-            from transformers import GPT2LMHeadModel
-        except ImportError:
-            raise ImportError("GPT-2's weights need transformers: pip install transformers") from None
-        hf = GPT2LMHeadModel.from_pretrained(name_or_model)
-    c = hf.config
-    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer,
-                          n_head=c.n_head, n_embd=c.n_embd, dropout=dropout, gelu_approximate='tanh'))
-    sd, sd_hf = model.state_dict(), hf.state_dict()
-    # Hugging Face stores these as Conv1D, (in, out): transpose them into our Linears
-    transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-    with torch.no_grad():
-        for k in sd:
-            if k != 'lm_head.weight':  # tied to wte
-                sd[k].copy_(sd_hf[k].t() if k.endswith(transposed) else sd_hf[k])
-    return model
+def heavy_tailed_depths(mean, count, generator=None, sigma=0.5):
+    """count depths r = Poisson(tau) + 1, tau ~ LogNormal(log mean - sigma^2 / 2, sigma): Huginn's
+    'poisson-lognormal-filling' (Geiping et al., 2025). tau has the given mean and a heavy right tail."""
+    tau = torch.empty(count).log_normal_(math.log(mean) - sigma ** 2 / 2, sigma, generator=generator)
+    return (torch.poisson(tau, generator=generator) + 1).long()

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import compile_regions
-from model import GPT, MLP, GPTConfig, GRTConfig, from_pretrained
+from common import compile_regions, from_pretrained
+from model import GPT, MLP, GPTConfig, GRTConfig
 from registry import MODELS, PRESETS, build_model, preset
 
 VOCAB = 256

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kv_cache import KVCache
-from model import RecurrentConfig, RecurrentLM
+from model import RecurrentConfig, RecurrentLM, heavy_tailed_depths
 
 # -----------------------------------------------------------------------------
 # The ablation ladder
@@ -104,16 +104,11 @@ HUGINN_EVAL_STATE_SEED = 0  # seeds the eval initial states (one per position), 
 
 @dataclass
 class HuginnConfig(RecurrentConfig):
-    # n_recur is Huginn's mean depth r_mean: the eval depth, and the mean of the training draws' tau
+    # n_recur is Huginn's mean depth r_mean: the eval depth, and the mean of the training draws' tau.
+    # Huginn's training choices, which RecurrentLM implements (model.py):
+    train_depth: str = 'heavy'  # r = Poisson(tau) + 1, tau ~ LogNormal with mean r_mean (heavy_tailed_depths)
     backprop_depth: int = 8  # k: only the last k steps of a training pass carry gradients
-    depth_sigma: float = 0.5  # sigma of the log-normal in the depth distribution
-    state_init_std: float = 0.02  # initial state ~ TruncNormal(0, std^2) on [-3 std, 3 std], our init scale
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.backprop_depth < 1 or self.depth_sigma <= 0 or self.state_init_std < 0:
-            raise ValueError(f"huginn needs backprop_depth >= 1, depth_sigma > 0, state_init_std >= 0; got "
-                             f"{self.backprop_depth}, {self.depth_sigma}, {self.state_init_std}")
+    init_state: str = 'random'  # h0 ~ TruncNormal(0, 0.02^2) on [-0.06, 0.06], our init scale
 
 
 class Huginn(RecurrentLM):
@@ -128,9 +123,8 @@ class Huginn(RecurrentLM):
         # training draws, but fixed by a seed, so eval is deterministic and a token's h0 does not depend
         # on how many tokens a forward pass holds (prefill or one-by-one decoding give the same h0).
         # The reference draws a fresh h0 at every call, in eval too; it is not a weight (not saved).
-        std = config.state_init_std
         table = torch.empty(config.block_size, config.n_embd, device='cpu')
-        nn.init.trunc_normal_(table, std=std, a=-3 * std, b=3 * std,
+        nn.init.trunc_normal_(table, std=0.02, a=-0.06, b=0.06,
                               generator=torch.Generator().manual_seed(HUGINN_EVAL_STATE_SEED))
         self.register_buffer('eval_state', table, persistent=False)
         self._start = 0  # position of the current forward pass's first token (embed sets it)
@@ -147,11 +141,10 @@ class Huginn(RecurrentLM):
         return super().embed(idx, kv_cache)
 
     def initial_state(self, e):
-        """h0 ~ TruncNormal(0, std^2) on [-3 std, 3 std] (initialize_state, 'like-init'): fresh in
-        training; in eval the seeded draw of each token's position (eval_state)."""
-        std = self.config.state_init_std
+        """h0 ~ TruncNormal(0, 0.02^2) on [-0.06, 0.06] (initialize_state, 'like-init'): fresh in
+        training (RecurrentLM's init_state='random'); in eval the seeded draw of each token's position."""
         if self.training:
-            return nn.init.trunc_normal_(torch.empty_like(e), std=std, a=-3 * std, b=3 * std)
+            return super().initial_state(e)
         B, T, d = e.shape
         return self.eval_state[self._start: self._start + T].to(e.dtype).expand(B, T, d)
 
@@ -159,39 +152,6 @@ class Huginn(RecurrentLM):
         """ln_f(h): iterate_forward returns transformer.ln_f(x), and the same ln_f is applied again
         after the coda ("used twice", recpre/raven_modeling_minimal.py)."""
         return self.transformer.ln_f(h)
-
-    def recur(self, h, e, r, caches):
-        """In training only the last backprop_depth steps carry gradients; the earlier ones run
-        under no_grad, so their activations are never stored (Huginn's truncated backprop)."""
-        n = self.config.n_core
-        free = max(r - self.config.backprop_depth, 0) if self.training else 0
-        with torch.no_grad():
-            h = super().recur(h, e, free, caches[:free * n])
-        return super().recur(h, e, r - free, caches[free * n:])
-
-    def draw_depths(self, count, generator=None, cap=None):
-        """count depths r = Poisson(tau) + 1, tau ~ LogNormal(log r_mean - sigma^2/2, sigma), as the
-        reference's 'poisson-lognormal-filling' draws p (its n = max(p - k, 0) no-grad steps and
-        min(k, p) with grad): tau has mean r_mean and a heavy right tail, so a few passes train very
-        deep, with no upper bound. cap (None: none, as the reference) clips r, for measuring what a
-        cap would change."""
-        c = self.config
-        mu = math.log(c.n_recur) - c.depth_sigma ** 2 / 2
-        tau = torch.empty(count, device='cpu').log_normal_(mu, c.depth_sigma, generator=generator)  # CPU generator
-        r = torch.poisson(tau, generator=generator) + 1
-        return (r if cap is None else r.clamp(max=cap)).long()
-
-    def sample_depth(self, generator):
-        return int(self.draw_depths(1, generator).item())
-
-    def resolve_steps(self, num_steps):
-        if num_steps is None and self.training:  # a caller without train.py's generator
-            return self.sample_depth(None)
-        return super().resolve_steps(num_steps)  # eval: r_mean
-
-    def mean_train_steps(self):
-        """E[r] under the training distribution (about r_mean + 1), from 65536 seeded draws."""
-        return self.draw_depths(65536, torch.Generator().manual_seed(0)).float().mean().item()
 
     def train_flops_per_token(self, seq_len, num_steps):
         """Training FLOPs per token at depth r: forward (flops_per_token, the adapter included)
@@ -202,7 +162,7 @@ class Huginn(RecurrentLM):
 
     def expected_train_flops_per_token(self, seq_len):
         """Training FLOPs per token averaged over the depth distribution (for isoFLOP configs)."""
-        depths = self.draw_depths(65536, torch.Generator().manual_seed(0)).tolist()
+        depths = heavy_tailed_depths(self.config.n_recur, 65536, torch.Generator().manual_seed(0)).tolist()
         return sum(self.train_flops_per_token(seq_len, r) for r in depths) / len(depths)
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
