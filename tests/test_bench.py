@@ -1,6 +1,6 @@
 """bench.py: the memory measurement against known allocations (and the torch internals it reads), the
-tiny-scale run and its JSON line, the val loss of each kv_mode through the KV cache, the training
-MFU, --peer at tiny settings and --gpu_check's refusal and its tiny CPU run."""
+tiny-scale run and its JSON line, compiled decoding, early exit in the decode timings, the val loss of
+each kv_mode through the KV cache, and a trained model's checkpoint that cannot be read."""
 
 import json
 import os
@@ -14,8 +14,8 @@ import torch
 import bench
 import prepare_data
 from conftest import CHARS, save_checkpoint, tiny_model
+from early_exit import ExitingModel
 from kv_cache import KV_MODES
-from registry import build_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
@@ -51,41 +51,6 @@ def test_cpu_peak_bytes_fails_loudly_if_the_profiler_internals_change(monkeypatc
     monkeypatch.setattr(bench, 'profile', NoKineto)
     with pytest.raises(bench.TorchInternalsChanged, match='kineto_results.*bench.cpu_peak_bytes'):
         bench.cpu_peak_bytes(lambda: torch.empty(1000))
-
-
-def test_recompile_count_sees_none_in_a_grt_trained_at_every_depth_and_one_for_a_new_shape():
-    """A compiled GRT at r = 1..3 and in evaluation compiles several graphs and no recompile; a new batch
-    size recompiles each of its 5 compiled functions (the block, the step and the step's 3 resumptions
-    after its graph breaks at the two noises and the 2-block core), once for training, once for evaluation."""
-    torch.compiler.reset()
-    torch._dynamo.utils.clear_compilation_metrics()
-    model = build_model('grt', n_prelude=1, n_core=2, n_recur=3, n_coda=1, n_embd=32, n_head=2, block_size=16,
-                        vocab_size=16)
-    model.compile_regions(backend='eager')  # no codegen: fast
-
-    def train_and_evaluate(batch_size):
-        x = torch.randint(16, (batch_size, 16))
-        model.train()
-        for r in (1, 2, 3):
-            model(x, x, num_steps=r)[1].backward()
-        model.eval()
-        with torch.no_grad():
-            model(x, x)
-
-    graphs = bench.compiled_graph_count()
-    train_and_evaluate(2)
-    assert bench.recompile_count() == 0 and bench.compiled_graph_count() - graphs > 2
-    train_and_evaluate(3)
-    assert bench.recompile_count() == 10
-
-
-def test_recompile_count_counts_a_recompile_once_though_its_backward_logs_again():
-    torch.compiler.reset()
-    torch._dynamo.utils.clear_compilation_metrics()
-    f = torch.compile(lambda x: (x.sin() * 2).sum(), backend='aot_eager', dynamic=False)
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # compiles 0, 1 and 2: one recompile
-        f(torch.randn(3, dtype=dtype, requires_grad=True)).backward()
-    assert bench.recompile_count() == 1
 
 
 def test_compiled_graph_count_counts_a_compile_and_a_recompile():
@@ -208,87 +173,34 @@ def test_out_dir_reports_val_loss_per_kv_mode(tmp_path, capsys):
         bench.main(args + ['--ckpt=ckpt.pt'])
 
 
-def test_train_throughput_steps_the_model_and_gives_a_plausible_mfu():
-    m = tiny_model('grt').float()
-    before = m.transformer.core[0].mlp.c_fc.weight.detach().clone()
-    tokens_per_s, mfu = bench.train_throughput(m, dict(bench.DEFAULTS, batch_size=2), 'cpu', 'float32', steps=2)
-    assert tokens_per_s > 0 and 0 < mfu < 1
-    assert not torch.equal(before, m.transformer.core[0].mlp.c_fc.weight)  # AdamW stepped
 
 
-def test_training_mfu_is_train_pys_and_never_above_100_percent(monkeypatch, capsys):
-    """train.py's formula (model.estimate_mfu against common.peak_flops_for in the run's dtype); above
-    100% the CPU peak is measured again, as train.py does, and a figure still above 100% (the peak is
-    wrong) is withheld with a warning."""
-    m = tiny_model('grt')
-    expected = 3 * m.flops_per_token(64, 2.5) * 1000 / 0.5 / 1e11
-    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32', peak_flops=1e11) == pytest.approx(expected)
-    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32', peak_flops=1e9) is None
-    assert 'warning: MFU would be' in capsys.readouterr().err
-    monkeypatch.setattr(bench, 'peak_flops_for', lambda *args: 1e9)  # a peak measured on loaded cores
-    monkeypatch.setattr(bench, 'measure_cpu_peak', lambda dtype, again: 1e11 if again else 1e9)
-    assert bench.training_mfu(m, 1000, 0.5, 64, 2.5, 'cpu', 'float32') == pytest.approx(expected)
+def test_early_exit_in_the_decode_timings(capsys):
+    """--exit_threshold decodes the GRTs through early_exit.ExitingModel (0 never exits, so the tokens are
+    the fixed depth's), leaves the dense GPT whole, and a rule that does not apply stops with one line."""
+    grt, gpt = tiny_model('grt'), tiny_model('gpt')
+    idx = torch.randint(len(CHARS), (2, 6))
+    c = dict(bench.DEFAULTS, exit_threshold=0.0)
+    assert isinstance(bench.decoder(grt, c), ExitingModel)
+    assert torch.equal(bench.decoder(grt, c).generate(idx, 5, temperature=0), grt.generate(idx, 5, temperature=0))
+    assert bench.decoder(gpt, c) is gpt and bench.decoder(grt, dict(bench.DEFAULTS)) is grt
+    with pytest.raises(SystemExit, match='^error: '):
+        bench.decoder(grt, dict(c, exit='kl', kv_mode='mean'))
+    result = bench.main(['--scale=tiny', '--device=cpu', '--dtype=float32', '--compile=False', '--prompt_len=8',
+                         '--new_tokens=4', '--exit_threshold=0.5'])
+    assert 'early exit state < 0.5' in capsys.readouterr().out
+    assert result['models']['grt_isoflop']['decode_ms_per_token'] > 0
 
 
-def test_peer_at_tiny_settings_gives_the_table_and_json(capsys):
-    result = bench.main(['--peer=True', '--peer_iters=3', '--peer_warmup=1', '--peer_repeats=2',
-                         '--compile=False', '--dtype=float32'])
-    out = capsys.readouterr().out
-    assert 'grt/gpt step' in out and 'avx512_bf16' in out and 'bf16 matrix products measured' in out
-    assert result['bf16_speedup'] > 0
-    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
-    assert result['mode'] == 'peer' and set(result['cpu_flags']) <= set(bench.CPU_FLAGS)
-    assert result['iters'] == 3 and result['repeats'] == 2
-    assert result['flops_per_token']['gpt'] == 4 * (24 * 128 ** 2 + 4 * 64 * 128)
-    # GRT 1+1x3+1 at its mean training depth 2: 4 block passes, plus W_proj and the gate twice
-    assert result['flops_per_token']['grt'] == result['flops_per_token']['gpt'] + 2 * 10 * 128 ** 2
-    assert list(result['modes']) == ['float32 eager']
-    m = result['modes']['float32 eager']
-    assert len(m['gpt_ms_runs']) == len(m['grt_ms_runs']) == len(m['step_ratio_runs']) == 2
-    assert m['gpt_ms'] > 0 and m['grt_ms'] > 0 and m['step_ratio'] > 0 and m['ratio_per_flop'] > 0
-    assert m['ratio_per_flop'] == pytest.approx(m['step_ratio'] / result['flop_ratio'])
-    assert m['step_ratio_spread'][0] <= m['step_ratio'] <= m['step_ratio_spread'][1]
-
-
-def test_peer_times_bf16_only_where_it_is_faster(monkeypatch):
-    c = dict(dtype='auto', compile=False)
-    monkeypatch.setattr(bench, 'cpu_bf16_speedup', lambda: 2.5)
-    assert bench.peer_modes(c, 'cpu') == [('float32', False), ('bfloat16', False)]
-    monkeypatch.setattr(bench, 'cpu_bf16_speedup', lambda: 0.6)
-    assert bench.peer_modes(c, 'cpu') == [('float32', False)]
-    assert bench.peer_modes(dict(c, compile=True), 'cuda') == [(d, k) for d in ('float32', 'bfloat16')
-                                                               for k in (False, True)]
-
-
-def test_modes_are_refused_together():
-    with pytest.raises(SystemExit, match='error: --peer and --train are separate modes'):
-        bench.main(['--peer=True', '--train=True'])
-
-
-def test_gpu_check_refuses_without_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
-    with pytest.raises(SystemExit, match='^error: needs a CUDA GPU'):
-        bench.main(['--gpu_check=True'])
-
-
-def test_gpu_check_runs_tiny_on_cpu(capsys):
-    """The whole check with tiny overrides on CPU: both shipped configs train from the token file it
-    writes (the GRT compiled, as on a GPU: its several graphs are no recompile), bench.py runs, and the
-    summary's figures are there."""
-    tiny = ['--device=cpu', '--dtype=float32', '--block_size=32', '--batch_size=2', '--gradient_accumulation_steps=1',
-            '--n_embd=32', '--n_head=2', '--max_iters=4', '--log_interval=2', '--eval_interval=4', '--eval_iters=1']
-    result = bench.run_gpu_check(
-        train_args={'config/gpt2_small.py': [*tiny, '--n_layer=2', '--compile=False'],
-                    'config/grt_small.py': [*tiny, '--n_recur=2', '--compile=True']},
-        bench_args=['--scale=tiny', '--device=cpu', '--dtype=float32', '--compile=False', '--prompt_len=8',
-                    '--new_tokens=4'], tokens=20_000)
-    out = capsys.readouterr().out
-    assert 'GRT/dense step time' in out
-    assert set(result['train']) == {'gpt2_small', 'grt_small'}
-    for run in result['train'].values():
-        assert run['tokens_per_s'] > 0 and run['val_loss'] > 0 and run['peak_mem_bytes'] is None  # CPU
-    assert result['train']['gpt2_small']['graphs_compiled'] == result['train']['gpt2_small']['recompiles'] == 0
-    assert result['train']['grt_small']['graphs_compiled'] > 2 and result['train']['grt_small']['recompiles'] == 0
-    assert result['grt_dense_step_ratio'] > 0
-    assert result['grt_dense_ratio_per_flop'] is None  # MFUs against two runs' own measured CPU peaks
-    assert result['bench']['scale'] == 'tiny'
+def test_a_checkpoint_that_cannot_be_read_is_one_line(tmp_path):
+    """A truncated best.pt stops bench.py with one `error:` line (common.load_checkpoint), no traceback."""
+    out_dir = save_checkpoint(str(tmp_path / 'out'), tiny_model('grt'), 'grt')
+    path = os.path.join(out_dir, 'best.pt')
+    with open(path, 'rb') as f:
+        data = f.read()
+    with open(path, 'wb') as f:
+        f.write(data[:len(data) // 2])
+    r = subprocess.run([sys.executable, 'bench.py', f'--out_dir={out_dir}', '--device=cpu', '--dtype=float32',
+                        '--compile=False'], cwd=HERE, capture_output=True, text=True)
+    assert r.returncode != 0 and 'Traceback' not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith('error: ') and 'best.pt' in r.stderr
