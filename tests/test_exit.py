@@ -3,7 +3,6 @@ None are the fixed depth, a huge threshold runs exactly min_steps, the cache (wi
 equals a written-out uncached forward under the same exit decisions, causality holds, and both
 criteria match their written-out definitions. Tiny fp32 models on CPU, no timing."""
 
-import importlib.util
 import math
 
 import pytest
@@ -362,49 +361,3 @@ def test_exit_refused_where_it_does_not_apply(grt):
     finally:
         grt.eval()
 
-
-# -----------------------------------------------------------------------------
-# bench.py --exit_sweep, at tiny settings
-
-
-def test_bench_exit_sweep_table_json_and_plot(tmp_path, capsys, monkeypatch):
-    import json
-    import os
-
-    import numpy as np
-
-    import bench
-    import prepare_data
-    from conftest import save_checkpoint
-
-    data_dir = tmp_path / 'data'
-    os.makedirs(data_dir / 'chars')
-    prepare_data.write_tokens(str(data_dir / 'chars' / 'val.bin'), np.random.default_rng(0).integers(0, V, 5000))
-    out_dir = save_checkpoint(str(tmp_path / 'out'), tiny_model('grt'), 'grt',
-                              config=dict(data_dir=str(data_dir), dataset='chars'))
-    monkeypatch.setattr(bench, 'EXIT_SWEEP', {'state': (0.0, 1e9), 'kl': (0.0,)})
-    monkeypatch.setattr(bench, 'EXIT_SWEEP_WINDOWS', 8)
-    monkeypatch.setattr(bench, 'EXIT_TIMED_WINDOWS', 1)
-    monkeypatch.setattr(bench, 'EXIT_TIMING_ROUNDS', 1)
-    plot = tmp_path / 'exit.png'
-    result = bench.main([f'--out_dir={out_dir}', '--exit_sweep=True', '--device=cpu', '--dtype=float32',
-                         '--prompt_len=56', f'--exit_plot={plot}'])
-    out = capsys.readouterr().out
-    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
-    assert 'goal (>= 30% fewer steps' in out and 'state < 0' in out
-    points = {(p['exit'], p['threshold'], p['num_steps']): p for p in result['points']}
-    R = result['R']
-    assert [points[(None, None, r)]['mean_steps'] for r in range(1, R + 1)] == list(range(1, R + 1))
-    full, one = points[(None, None, R)], points[(None, None, 1)]
-    never, always = points[('state', 0.0, None)], points[('state', 1e9, None)]
-    assert never['loss'] == full['loss'] and never['mean_steps'] == R and never['steps_run_b8'] == R
-    assert always['mean_steps'] == 1 and always['steps_run_b8'] == 1 and always['mean_steps_b1'] == 1
-    assert math.isclose(always['loss'], one['loss'], rel_tol=1e-5)
-    kl = points[('kl', 0.0, None)]
-    assert math.isclose(kl['loss'], full['loss'], rel_tol=1e-5) and kl['probes_b8'] == R  # p_0 .. p_(R-1)
-    if importlib.util.find_spec('matplotlib'):
-        assert plot.stat().st_size > 0
-    else:
-        assert 'the plot needs matplotlib' in out
-    with pytest.raises(SystemExit, match='exit_sweep measures a trained model'):
-        bench.main(['--exit_sweep=True', '--device=cpu'])
