@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import compile_regions, from_pretrained
-from model import GPT, MLP, GPTConfig, GRTConfig
+from model import GPT, MLP, GPTConfig, GRTConfig, heavy_tailed_depths
 from registry import MODELS, PRESETS, build_model, preset
 
 VOCAB = 256
@@ -128,15 +128,18 @@ def test_forward_rejects_too_long_sequence(model):
 # The GRT recurrence
 
 
-def reference_grt_logits(model, idx, r, noise=None):
+def reference_grt_logits(model, idx, r, noise=None, h0=None, detach_steps=None):
     """Eq. 2-5 written out again from the model's parts, independently of GRT.body. noise(h) gives
-    (eps_x, eps_g) for one step (None: eval, no noise)."""
+    (eps_x, eps_g) for one step (None: eval, no noise); h0 (None: e) the initial state; with
+    detach_steps, the state after that many steps is detached (no gradient through them)."""
     c, tr = model.config, model.transformer
     x = tr.wte(idx) + tr.wpe(torch.arange(idx.size(1)))
     for block in tr.prelude:
         x = block(x)
-    e = h = x
-    for _ in range(r):
+    e, h = x, (x if h0 is None else h0)
+    for step in range(r):
+        if step == detach_steps:
+            h = h.detach()
         eps_x, eps_g = noise(h) if noise else (0.0, 0.0)
         u = model.W_proj(torch.cat([h + eps_x, e], -1))
         o = u
@@ -185,6 +188,50 @@ def test_grt_training_gradients_equal_the_written_out_equations():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_training_depth_rules():
+    g = lambda: torch.Generator().manual_seed(3)
+    fixed = tiny('tiny-grt', n_recur=5, train_depth='fixed')
+    assert [fixed.sample_depth(g()) for _ in range(3)] == [5, 5, 5] and fixed.mean_train_steps() == 5
+    heavy = tiny('tiny-grt', n_recur=5, train_depth='heavy')
+    gen, reference = g(), g()
+    assert [heavy.sample_depth(gen) for _ in range(20)] == [heavy_tailed_depths(5, 1, reference).item()
+                                                             for _ in range(20)]
+    draws = heavy_tailed_depths(5, 20000, g()).float()
+    assert draws.min() >= 1 and abs(draws.mean() - 6) < 0.1  # Poisson(tau) + 1, E[tau] = 5
+    assert heavy.mean_train_steps() == pytest.approx(6, abs=0.1)
+    with pytest.raises(ValueError, match="train_depth must be"):
+        tiny('tiny-grt', train_depth='normal')
+
+
+def test_truncated_backprop_equals_detaching_the_first_steps():
+    """backprop_depth k: the gradients of r = 4 steps equal those of Eq. 2-5 with h detached after r - k."""
+    model = scramble(tiny('tiny-grt', backprop_depth=1, state_noise=0.0, gate_noise=0.0), std=0.1).train()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    grads = []
+    for forward in (lambda: logits_all(model, idx, num_steps=4),
+                    lambda: reference_grt_logits(model, idx, 4, detach_steps=3)):
+        model.zero_grad(set_to_none=True)
+        forward().square().mean().backward()
+        grads.append(model.W_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    model.zero_grad(set_to_none=True)
+    reference_grt_logits(model, idx, 4).square().mean().backward()  # every step: other gradients
+    assert not torch.allclose(grads[0], model.W_proj.weight.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_random_initial_state():
+    """init_state='random': h0 is 0 in eval, and TruncNormal(0, 0.02^2) drawn fresh in training."""
+    model = scramble(tiny('tiny-grt', init_state='random'), std=0.1).eval()
+    idx = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_all(model, idx, num_steps=3),
+                                   reference_grt_logits(model, idx, 3, h0=torch.zeros(2, 12, 64)), atol=1e-5, rtol=1e-5)
+    model.train()
+    e = torch.randn(2, 12, 64)
+    h0 = model.initial_state(e)
+    assert h0.abs().max() <= 0.06 and 0.01 < h0.std() < 0.02 and not torch.equal(h0, model.initial_state(e))
 
 
 def test_grt_train_mode_is_noisy_and_eval_deterministic():
