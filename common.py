@@ -87,6 +87,35 @@ def others_busy(since):
     return max(0.0, (now[1] - since[1] - (now[2] - since[2])) / (now[0] - since[0]))
 
 
+def cpu_threads(busy, cores, threads):
+    """torch's threads beside other work keeping `busy` cores of `cores` busy: one per core it leaves
+    free, at least 1, at most `threads` (torch's default). A thread sharing a core with other work
+    holds every parallel op's team back: on 2 cores with one taken, the quick start trained ~12x slower
+    on 2 threads than on 1 (docs/training.md#sharing-the-cores)."""
+    return max(1, min(threads, round(cores - busy)))
+
+
+def share_cores(device):
+    """At start-up, on a CPU: how many cores other work keeps busy (0.2 s of /proc/stat; the 1-minute
+    load average where there is none), torch's threads set by cpu_threads unless OMP_NUM_THREADS is set,
+    and a line saying so when other work takes half a core or more. Returns that line, '' otherwise."""
+    if device != 'cpu':
+        return ''
+    since = cpu_times()
+    time.sleep(0.2)
+    busy = others_busy(since)
+    if busy is None:
+        busy = os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
+    cores = os.cpu_count() or 1
+    if 'OMP_NUM_THREADS' not in os.environ:
+        torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
+    if busy < 0.5:
+        return ''
+    how = 'as OMP_NUM_THREADS says' if 'OMP_NUM_THREADS' in os.environ else 'one per free core'
+    return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs {torch.get_num_threads()} "
+            f"thread(s) ({how}) and timings are slower than on a quiet machine")
+
+
 @functools.cache
 def cpu_bf16_speedup():
     """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU (the fastest of 5
@@ -134,6 +163,7 @@ def rng_key(*parts):
 
 
 _cpu_peak_cache = {}
+_cpu_peak_busy = {}  # dtype -> cores other work kept busy while the kept peak was measured (None: unknown)
 
 
 def _time_linear(n, dtype, repeats):
@@ -163,10 +193,11 @@ def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
     most on any CPU: where bf16 is emulated (1-10 GFLOP/s) it stops at n = 256 or 512, where a
     fixed 2048^3 product in bf16 took 20 s each.
 
-    A measurement taken while other work loads the cores is too low. again=True measures anew and
-    keeps the higher figure: train.py does so when a run's own FLOP rate exceeds the peak."""
+    A measurement taken while other work loads the cores is too low (cpu_peak_contended says so).
+    again=True measures anew and keeps the higher figure: train.py does so when a run's own FLOP rate
+    exceeds the peak."""
     if again or dtype not in _cpu_peak_cache:
-        best, n, spent = 0.0, 128, 0.0
+        best, n, spent, since = 0.0, 128, 0.0, cpu_times()
         while True:
             seconds = max(_time_linear(n, dtype, repeats), 1e-9)
             spent += (repeats + 1) * seconds
@@ -174,8 +205,20 @@ def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
             if 2 * n > max_n or spent + 8 * (repeats + 1) * seconds > budget_s:
                 break
             n *= 2
-        _cpu_peak_cache[dtype] = max(best, _cpu_peak_cache.get(dtype, 0.0))
+        if best > _cpu_peak_cache.get(dtype, 0.0):
+            _cpu_peak_cache[dtype], _cpu_peak_busy[dtype] = best, others_busy(since)
     return _cpu_peak_cache[dtype]
+
+
+def cpu_peak_contended(dtype):
+    """A line saying the measured peak in dtype reads low, when other work kept more cores busy while
+    it was measured than torch's threads left free (one core taken on 2 read 53.7 GFLOP/s on 2 threads,
+    and MFU swung from 4.4% to 59.6%); '' otherwise."""
+    busy, cores = _cpu_peak_busy.get(dtype), os.cpu_count() or 1
+    if busy is None or busy < cores - torch.get_num_threads() + 0.25:
+        return ''
+    return (f"note: other work kept {busy:.1f} of {cores} cores busy while the peak was measured on "
+            f"{torch.get_num_threads()} thread(s), so it reads low and MFU high; --peak_flops=... sets a fixed peak")
 
 
 def peak_flops_for(device, ptdtype, override, verbose=False):
@@ -198,7 +241,9 @@ def peak_flops_for(device, ptdtype, override, verbose=False):
                   end=' ', flush=True)
         peak = measure_cpu_peak(ptdtype)
         if verbose:
-            print(f"{peak / 1e9:,.1f} GFLOP/s")
+            print(f"{peak / 1e9:,.1f} GFLOP/s on {torch.get_num_threads()} thread(s)")
+            if cpu_peak_contended(ptdtype):
+                print(cpu_peak_contended(ptdtype))
         return peak
     return 0.0  # mps: unknown, MFU not shown
 

@@ -4,6 +4,7 @@ the token files mapped, and the start-up note and thread count for a busy machin
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -115,3 +116,139 @@ def test_sample_with_device_cuda_is_one_line_without_cuda(half_dir):
     code, err = run_script('sample.py', f'--out_dir={half_dir}', '--device=cuda', CUDA_VISIBLE_DEVICES='')
     assert code == 1 and err.strip().splitlines() == [err.strip()] and 'Traceback' not in err, err
     assert err.startswith("error: device='cuda' but") and 'use --device=cpu' in err
+
+
+# -----------------------------------------------------------------------------
+# Batches over token files
+
+
+@pytest.fixture
+def token_paths(tmp_path):
+    """Two token files of different lengths whose every token says where it lies: file k holds
+    (k * 30000 + position) % 65536."""
+    paths = []
+    for k, n in enumerate((5000, 1234)):
+        paths.append(str(tmp_path / f'fineweb_train_00000{k + 1}.bin'))
+        prepare_data.write_tokens(paths[-1], (k * 30000 + np.arange(n)) % 65536)
+    return paths
+
+
+def old_get(shards, block_size, batch_size, generator):
+    """Batches.get as it was before it reopened the files, reading memmaps kept open."""
+    windows = torch.tensor([len(s) - block_size for s in shards], dtype=torch.float64)
+    ids = torch.multinomial(windows, batch_size, replacement=True, generator=generator)
+    offsets = (torch.rand(batch_size, generator=generator, dtype=torch.float64) * windows[ids]).long()
+    rows = np.stack([shards[i][o:o + block_size + 1] for i, o in zip(ids.tolist(), offsets.tolist())])
+    batch = torch.from_numpy(rows.astype(np.int64))
+    return batch[:, :-1], batch[:, 1:]
+
+
+def test_batches_are_the_kept_open_memmaps_windows(token_paths):
+    shards = [prepare_data.read_tokens(p) for p in token_paths]
+    batches = common.Batches(shards, 64, 8, 'cpu')
+    gen, ref_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    files_seen = set()
+    for _ in range(20):
+        x, y = batches.get(gen)
+        ref_x, ref_y = old_get(shards, 64, 8, ref_gen)
+        assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        start = x[:, :1]  # each row: consecutive tokens of one file, the window inside it
+        assert torch.equal(torch.cat([x, y[:, -1:]], 1), (start + torch.arange(65)) % 65536)
+        files_seen |= set((start // 30000).flatten().tolist())
+    assert files_seen == {0, 1}
+
+
+@pytest.mark.skipif(not os.path.isfile('/proc/self/maps'), reason='/proc/self/maps lists mappings on Linux only')
+def test_batches_leave_no_token_file_mapped(token_paths):
+    """What kept resident memory flat over a long run: once the caller drops its memmaps, no token
+    file stays mapped into the process between batches."""
+    shards = [prepare_data.read_tokens(p) for p in token_paths]
+    batches = common.Batches(shards, 64, 8, 'cpu')
+
+    def mapped():
+        with open('/proc/self/maps') as f:
+            return {p for line in f for p in token_paths if line.rstrip().endswith(p)}
+
+    assert mapped() == set(token_paths)
+    del shards
+    assert mapped() == set()
+    x, _ = batches.get(torch.Generator().manual_seed(0))
+    assert x.shape == (8, 64) and mapped() == set()
+
+
+# -----------------------------------------------------------------------------
+# Cores shared with other work
+
+linux_only = pytest.mark.skipif(common.cpu_times() is None, reason='/proc/stat is Linux only')
+
+
+@linux_only
+def test_others_busy_counts_other_processes_and_not_this_one():
+    """Invariants that hold however loaded the machine is: a child's busy loop is in others_busy
+    (at least its own CPU time over the wall time), this process's own loop is not (it leaves at
+    most the other cores). 0.1 covers /proc/stat's 10 ms ticks."""
+    before, since, t0 = os.times(), common.cpu_times(), time.monotonic()
+    subprocess.run([sys.executable, '-c', 'import time\nt = time.time()\nwhile time.time() - t < 1: pass'], check=True)
+    busy, wall, after = common.others_busy(since), time.monotonic() - t0, os.times()
+    child = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    assert child > 0.1 and busy >= child / wall - 0.1, (busy, child, wall)
+
+    since, t0, own0 = common.cpu_times(), time.monotonic(), time.process_time()
+    while time.monotonic() - t0 < 1:
+        pass
+    busy, wall, own = common.others_busy(since), time.monotonic() - t0, time.process_time() - own0
+    assert 0 <= busy <= os.cpu_count() - own / wall + 0.1, (busy, own, wall)
+
+
+@pytest.mark.parametrize('busy, cores, default, threads', [
+    (0.0, 2, 2, 2), (0.3, 2, 2, 2), (1.0, 2, 2, 1), (0.7, 2, 2, 1), (2.0, 2, 2, 1),  # at least 1
+    (2.0, 64, 32, 32), (10.2, 64, 64, 54)])  # never above torch's default
+def test_cpu_threads_are_the_free_cores(busy, cores, default, threads):
+    assert common.cpu_threads(busy, cores, default) == threads
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """torch on 2 threads of a 2-core machine, OMP_NUM_THREADS unset; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(os, 'cpu_count', lambda: 2)
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_share_cores_takes_the_free_core_and_says_so(two_threads, monkeypatch):
+    monkeypatch.setattr(common, 'others_busy', lambda since: 1.04)
+    assert common.share_cores('cpu') == ("note: other work keeps 1.0 of 2 cores busy, so torch runs 1 thread(s) "
+                                         "(one per free core) and timings are slower than on a quiet machine")
+    assert torch.get_num_threads() == 1
+    assert common.share_cores('cuda:0') == '' and common.share_cores('mps') == ''
+
+
+def test_share_cores_leaves_a_quiet_machine_and_omp_num_threads_alone(two_threads, monkeypatch):
+    monkeypatch.setattr(common, 'others_busy', lambda since: 0.3)
+    assert common.share_cores('cpu') == '' and torch.get_num_threads() == 2
+    monkeypatch.setattr(common, 'others_busy', lambda since: 1.5)
+    monkeypatch.setenv('OMP_NUM_THREADS', '2')
+    assert 'runs 2 thread(s) (as OMP_NUM_THREADS says)' in common.share_cores('cpu')
+    assert torch.get_num_threads() == 2
+
+
+def test_a_peak_measured_beside_other_work_says_it_reads_low(two_threads, monkeypatch, capsys):
+    monkeypatch.setattr(common, '_time_linear', lambda n, dtype, repeats: 2 * n ** 3 / 5.37e10)
+    monkeypatch.setattr(common, '_cpu_peak_cache', {})
+    monkeypatch.setattr(common, '_cpu_peak_busy', {})
+    monkeypatch.setattr(common, 'others_busy', lambda since: 1.1)
+    assert common.peak_flops_for('cpu', torch.float32, 0.0, verbose=True) == pytest.approx(5.37e10)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["measuring the CPU's peak FLOP/s in float32 for MFU ... 53.7 GFLOP/s on 2 thread(s)",
+                     "note: other work kept 1.1 of 2 cores busy while the peak was measured on 2 thread(s), so it "
+                     "reads low and MFU high; --peak_flops=... sets a fixed peak"]
+    torch.set_num_threads(1)  # one thread beside one busy core: the peak of the thread the run has
+    assert common.cpu_peak_contended(torch.float32) == ''
+    monkeypatch.setattr(common, 'others_busy', lambda since: 0.1)
+    torch.set_num_threads(2)
+    common.measure_cpu_peak(torch.bfloat16)
+    assert common.cpu_peak_contended(torch.bfloat16) == ''
