@@ -66,10 +66,10 @@ def table_lines(table, answers, trained):
     return lines
 
 
-def plot_lines(path, title, difficulties, lines, chance, trained):
-    """accuracy against difficulty, one line per entry of lines {label: [accuracy per difficulty]},
-    chance dotted, the trained range shaded; the legend beside the axes, so it hides no line. Returns
-    path, or None without matplotlib."""
+def plot_lines(path, title, difficulties, lines, chance, trained, styles=None):
+    """accuracy against difficulty, one line per entry of lines {label: [accuracy per difficulty]}
+    (styles {label: matplotlib line keywords}; default a viridis colour each), chance dotted, the trained
+    range shaded; the legend beside the axes, so it hides no line. Returns path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -81,7 +81,7 @@ def plot_lines(path, title, difficulties, lines, chance, trained):
     ax.axvspan(min(difficulties) - 0.5, trained + 0.5, color='0.92', label=f'trained on 1..{trained}')
     colors = plt.cm.viridis([0.9 * i / max(1, len(lines) - 1) for i in range(len(lines))])  # no pale yellow
     for color, (label, accuracy) in zip(colors, lines.items()):
-        ax.plot(difficulties, accuracy, marker='o', ms=3, color=color, label=label)
+        ax.plot(difficulties, accuracy, marker='o', ms=3, label=label, **(styles or {}).get(label, dict(color=color)))
     ax.axhline(chance, color='gray', ls=':', label=f'chance ({chance:.3f})')
     ax.set(xlabel='difficulty: sequential steps the answer needs', ylabel='accuracy', title=title, ylim=(0, 1.02),
            xticks=list(difficulties))

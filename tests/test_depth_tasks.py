@@ -4,13 +4,14 @@ answers, and an accuracy table equal to a prediction-by-prediction computation."
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import save_checkpoint, scramble
-from experiments import depth_eval
+from experiments import depth_eval, depth_study
 from experiments.depth_tasks import TASKS, TaskBatches, make_task, task_batches
 from registry import build_model
 
@@ -163,3 +164,57 @@ def test_the_command_refuses_a_language_checkpoint(tmp_path):
     out = save_checkpoint(str(tmp_path / 'lm'), tiny('gpt', 65), 'gpt', config=dict(dataset='shakespeare_char'))
     with pytest.raises(SystemExit, match="not a depth task"):
         depth_eval.main([f'--out_dir={out}', '--device=cpu'])
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison (experiments/depth_study.py), its training faked
+
+
+def test_the_study_models_match_the_grt_as_their_configs_say():
+    """gpt_params: the layer count nearest the GRT's non-embedding parameters; gpt_flops and huginn:
+    within 5% of its training FLOPs a token."""
+    grt = depth_study.model_of('grt', 'pointer')
+    flops = lambda m: depth_study.train_flops_per_token(m, grt.config.block_size)
+    per_layer = depth_study.model_of('gpt_params', 'pointer').get_num_params() / 3
+    assert depth_study.model_of('gpt_params', 'pointer').config.n_layer == round(grt.get_num_params() / per_layer)
+    for name in ('gpt_flops', 'huginn'):
+        assert flops(depth_study.model_of(name, 'pointer')) == pytest.approx(flops(grt), rel=0.05), name
+    huginn = depth_study.model_of('huginn', 'pointer').config
+    assert (huginn.n_prelude, huginn.n_core, huginn.n_recur, huginn.n_coda) == \
+        (grt.config.n_prelude, grt.config.n_core, grt.config.n_recur, grt.config.n_coda)
+
+
+def fake_train_py(calls):
+    """Stands in for `python train.py ...`: a tiny model of the config's type in out_dir, and its log."""
+    def run(cmd, **kwargs):
+        args = dict(a[2:].split('=', 1) for a in cmd if a.startswith('--'))
+        calls.append((cmd[2], args))
+        model_type = depth_study.run_settings(next(m for m, p in depth_study.CONFIGS.items() if p == cmd[2]))['model_type']
+        task = make_task(args['dataset'], BLOCK)
+        save_checkpoint(args['out_dir'], tiny(model_type, task.vocab_size), model_type,
+                        config=dict(dataset=args['dataset'], difficulty=int(args['difficulty']), block_size=None))
+        with open(os.path.join(args['out_dir'], 'log.jsonl'), 'w') as f:
+            f.write(json.dumps(dict(iter=int(args['max_iters']), time_s=1.5, val_loss=2.0)) + '\n')
+        return subprocess.CompletedProcess(cmd, 0)
+    return run
+
+
+def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
+    argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt,gpt_params', '--max_iters=5', '--difficulty=2',
+            '--steps=1,3', '--examples=2']
+    depth_study.main(argv)
+    assert [(config, args['dataset'], args['difficulty'], args['max_iters'], args['init_from'])
+            for config, args in calls] == [('config/depth_grt.py', 'task:sum', '2', '5', 'scratch'),
+                                           ('config/depth_gpt_params.py', 'task:sum', '2', '5', 'scratch')]
+    report = open(tmp_path / 'RESULTS.md').read()
+    for row in ('| grt | 1 |', '| grt | 3 |', '| gpt_params | dense |', '| grt | `config/depth_grt.py` | 1+1x8+1 |'):
+        assert row in report
+    assert '| d=6 | mean 1..2 | mean > 2 |' in report and os.path.getsize(tmp_path / 'sum.png') > 0
+    depth_study.main(argv)  # everything done: nothing trains again
+    assert len(calls) == 2
+    run = tmp_path / 'runs' / 'sum-D2-grt-5it-s0'
+    os.remove(run / 'depth.json')  # a run stopped before its evaluation resumes from its checkpoint
+    depth_study.main(argv)
+    assert len(calls) == 3 and calls[-1][1]['init_from'] == 'resume' and calls[-1][1]['out_dir'] == str(run)
