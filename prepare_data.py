@@ -274,6 +274,8 @@ def _shakespeare_text(data_dir, name, url, retries, backoff):
     sibling = os.path.join(data_dir, 'shakespeare' if name == 'shakespeare_char' else 'shakespeare_char', 'input.txt')
     if not os.path.isfile(path) and os.path.isfile(sibling) and _sha256(sibling) == SHAKESPEARE_SHA256:
         path = sibling  # the same text: no need to fetch it twice
+    source = path if os.path.isfile(path) else f'{url or SHAKESPEARE_URL} (downloading)'
+    print(f'preparing {os.path.join(data_dir, name)} from {source}')
     if not os.path.isfile(path):
         try:
             download(url or SHAKESPEARE_URL, path, sha256=SHAKESPEARE_SHA256, retries=retries, backoff=backoff)

@@ -1,70 +1,60 @@
 """
-Train a dense GPT-2 or a Gated Recurrent Transformer (GRT), on one device or many.
+Train a dense GPT-2 or a Gated Recurrent Transformer (GRT), on one device or many, in nanoGPT's order:
+settings, DDP, data, model, optimizer, compile, evaluation, learning rate, the loop.
 
-    python train.py config/shakespeare_char_grt.py                  # CPU, about 10 minutes
-    python train.py config/grt_small.py --batch_size=8 --compile=False
+    python train.py config/shakespeare_char_grt.py                  # CPU, about 7.5 minutes
     python train.py config/grt_small.py --init_from=resume         # continue exactly where it stopped
     torchrun --standalone --nproc_per_node=8 train.py config/grt_small.py
 
-A config file is plain Python assignments; `--key=value` overrides it (config/__init__.py parses
-both and refuses unknown keys). The model is `model_type` ('gpt', 'grt', ...) with its config fields
-(n_layer, n_embd, n_recur, ...), or a named `preset` from model.py with fields overriding it; the
-vocabulary size comes from the dataset's meta.json unless a config sets it.
-
-out_dir receives log.jsonl (a line every log_interval iterations), ckpt.pt (the latest state, for
---init_from=resume: written at every evaluation, at max_iters and on Ctrl-C) and best.pt (the
-weights with the best val loss so far, which sample.py and bench.py load by default).
-
-Every micro-step's randomness is a function of (seed, iteration, micro-step): the recurrence depth r
-(the same on every DDP rank), the training batch (different on every rank) and the dropout / GRT
-noise. So a resumed run repeats the uninterrupted one exactly, and evaluation, which draws its own
-fixed batches, never shifts the training stream.
+Config files and --key=value set the settings below (config/__init__.py). out_dir receives log.jsonl,
+ckpt.pt (the latest state, for resume) and best.pt (the best val loss). Every micro-step reseeds its
+randomness from (seed, iteration, micro-step) (common.rng_key): the depth r, the batch, the dropout and
+noise. So a resumed run repeats the uninterrupted one exactly, and evaluation never shifts the stream.
 """
 
 import json
 import math
 import os
-import random
 import signal
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, fields
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, cpu_bf16_speedup, fail, measure_cpu_peak,
-                    peak_flops_for, pick_device, pick_dtype, read_settings, rng_key)
+from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup, fail,
+                    measure_cpu_peak, peak_flops_for, pick_device, pick_dtype, read_checkpoint, read_settings,
+                    rng_key)
 from model import GPT
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
-# Settings (every key a config file or --key=value may set)
+# Settings: every key a config file or --key=value may set
 
 TRAIN_DEFAULTS = dict(
     # I/O
-    out_dir='out',  # log.jsonl, ckpt.pt (the latest state, for resume) and best.pt (the best val loss)
-    eval_interval=1000,  # evaluate and write ckpt.pt (and best.pt if val loss improved) every this many
-                         # iterations and at max_iters; Ctrl-C writes ckpt.pt too
-    eval_iters=100,  # batches per split and evaluation, split across DDP ranks
-    log_interval=10,  # log.jsonl line and progress-bar update every this many iterations
+    out_dir='out',
+    eval_interval=1000,  # evaluate, write ckpt.pt (and best.pt if val loss improved) every this many iterations
+    eval_iters=100,  # batches per split and evaluation, shared among DDP ranks
+    log_interval=10,  # a log.jsonl line and a progress-bar update every this many iterations
     eval_only=False,  # evaluate once and exit
     init_from='scratch',  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', ...
     # data
-    dataset='fineweb10B',
-    data_dir='data',  # datasets live in data_dir/<dataset>/, written by prepare_data.py
+    dataset='fineweb10B',  # a folder of data_dir (prepare_data.py), or 'task:NAME' (experiments/depth_tasks.py)
+    data_dir='data',
+    difficulty=4,  # dataset='task:NAME': train and validate on answers that need 1..difficulty steps
     batch_size=16,  # micro-batch per device
     gradient_accumulation_steps=32,  # micro-steps per optimizer step, over all DDP ranks together
-    # model: model_type + fields, or a preset (the model fields are listed below, default None = unset)
-    model_type='',  # a key of model.py's MODELS; '' = the preset's, else 'gpt'
-    preset='',  # a key of model.py's PRESETS, e.g. 'grt-small-isoflop'
-    # AdamW, warmup then cosine decay
+    # model: model_type and its fields, or a preset (the model fields follow, None = unset)
+    model_type='',  # a key of registry.MODELS; '' = the preset's, else 'gpt'
+    preset='',  # a key of registry.PRESETS, e.g. 'grt-small-isoflop'
+    # AdamW, warmup, then cosine decay
     learning_rate=6e-4,
     max_iters=20000,
     weight_decay=0.1,
@@ -77,66 +67,311 @@ TRAIN_DEFAULTS = dict(
     min_lr=6e-5,
     # system
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 only on CUDA, with a GradScaler)
-    compile=None,  # True / False; None or 'auto': compile only on CUDA at n_embd >= 256, where it pays.
-                   # torch.compile by regions: every block once, never the whole model
+    dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16' (CUDA only, with a GradScaler)
+    compile=None,  # True, False, or None / 'auto': only on CUDA at n_embd >= 256 (common.compile_regions)
     seed=1337,
-    peak_flops=0.0,  # per-device peak for MFU; 0 = measured (CPU) or the datasheet figure (CUDA)
+    peak_flops=0.0,  # per-device peak for MFU; 0 = measured (CPU) or the datasheet's (CUDA)
 )
 MODEL_FIELDS = sorted({f.name for config_class, _ in MODELS.values() for f in fields(config_class)})
 DEFAULTS = {**TRAIN_DEFAULTS, **{name: None for name in MODEL_FIELDS}}
 
 # -----------------------------------------------------------------------------
-# Data: random windows from memory-mapped token files, drawn by a seeded generator
+# The run, in nanoGPT's order; the pieces it calls follow it
 
 
-def load_dataset(data_root, dataset, master):
-    """(train shards, val shards, meta) as memmaps; shakespeare_char is prepared on the spot."""
-    data_dir = os.path.join(data_root, dataset)
-    if dataset == 'shakespeare_char' and not os.path.isfile(os.path.join(data_dir, 'meta.json')):
+def train(c):
+    """Train as the settings c say; return {'iter_num', 'best_val_loss', 'val_loss'}."""
+    for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
+        if c[key] < 1:
+            fail(f"{key} must be >= 1, got {c[key]}")
+
+    # DDP: one process, or one of torchrun's (it sets RANK, LOCAL_RANK and WORLD_SIZE)
+    ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
+    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+    master = rank == 0
+    device = pick_device(c['device'], local_rank)
+    device_type = device.split(':')[0]
+    if ddp:
+        if device_type == 'cuda':
+            torch.cuda.set_device(device)
+        dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo')
+    if c['gradient_accumulation_steps'] % world:
+        fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by the "
+             f"{world} processes; it counts micro-steps over all ranks together")
+    accum = c['gradient_accumulation_steps'] // world  # this rank's micro-steps
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if c['dtype'] != 'auto':  # a wrong dtype stops (a slow one warns) before any download
+        pick_dtype(c['dtype'], device_type, warn=master)
+
+    # data: the token files (or a depth task); the windows are read once block_size is known
+    meta, data = load_data(c, device, master)
+
+    # model
+    ckpt_path, best_path = os.path.join(c['out_dir'], 'ckpt.pt'), os.path.join(c['out_dir'], 'best.pt')
+    if master:
+        print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
+            c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
+    model, ckpt = init_model(c, meta, ckpt_path)
+    model_type = model_type_of(model)
+    dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
+    if ddp and device_type == 'cpu':  # each rank measured its own bf16 speed: all train in rank 0's choice
+        choice = [dtype]
+        dist.broadcast_object_list(choice, src=0)
+        dtype = choice[0]
+    ctx = autocast_context(device_type, dtype)
+    block_size = c['block_size'] or model.config.block_size  # may be shorter than a GPT-2's 1024
+    if block_size > model.config.block_size:
+        fail(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower it")
+    model.to(device)
+    batches = data if 'task' in meta else {split: Batches(shards, block_size, c['batch_size'], device)
+                                           for split, shards in data.items()}
+    tokens_per_iter = c['batch_size'] * block_size * accum * world
+
+    # optimizer, and the state a resumed run continues from
+    optimizer = model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']),
+                                           device_type)
+    scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')  # fp16 only; otherwise it does nothing
+    iter_num, best_val_loss, tokens, time_before = 0, math.inf, 0, 0.0  # time_before: the resumed runs' seconds
+    if ckpt is not None:  # no generator states: every draw is reseeded from its key
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        iter_num, best_val_loss, tokens, time_before = (ckpt[k] for k in ('iter_num', 'best_val_loss', 'tokens',
+                                                                          'time_s'))
+        ckpt = None  # free the memory
+
+    # compile by regions (each block once, on first use: the first iterations are slow), then DDP
+    compiled, compile_note = resolve_compile(c['compile'], device_type, model.config.n_embd)
+    if compiled:
+        compile_regions(model)
+    trained = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
+    peak = 0.0  # per-device peak FLOP/s for MFU (rank 0); 0 = MFU not shown
+    if master:
+        resumed = f"; from iteration {iter_num}" if iter_num else ""
+        print(f"{model_type} model, {model.get_num_params() / 1e6:.2f}M non-embedding parameters; {device}, "
+              f"{dtype}, compile={compiled}, {world} process(es); {tokens_per_iter:,} tokens per iteration{resumed}")
+        if compile_note:
+            print(compile_note)
+        if device_type == 'cpu' and c['dtype'] == 'auto' and model.config.n_embd >= CPU_BF16_MIN_WIDTH:
+            print(f"dtype='auto' chose {dtype}: bf16 matrix products measured {cpu_bf16_speedup():.2f}x as fast "
+                  "as fp32 on this CPU")
+        peak = peak_flops_for(device, getattr(torch, dtype), c['peak_flops'], verbose=True)
+
+    @torch.no_grad()
+    def estimate_loss():
+        """Mean loss over eval_iters fixed batches per split (the same every time), shared among the
+        ranks; its own generators, so it never shifts the training stream. A bar counts the batches."""
+        model.eval()
+        out, mine = {}, range(rank, c['eval_iters'], world)
+        with tqdm(total=2 * len(mine), leave=False, disable=not master, dynamic_ncols=True, unit='batch') as bar:
+            for split, source in batches.items():
+                bar.set_description(f"evaluating {split}")
+                total = torch.zeros(2, device=device)  # sum of losses, number of batches
+                for k in mine:
+                    x, y = source.get(torch.Generator().manual_seed(rng_key(c['seed'], 'eval', split, k)))
+                    with ctx:
+                        _, loss = model(x, y)
+                    total += torch.stack([loss.float(), torch.ones((), device=device)])
+                    bar.update(1)
+                if ddp:
+                    dist.all_reduce(total)
+                out[split] = (total[0] / total[1]).item()
+        model.train()
+        return out
+
+    def checkpoint_state(val_loss=None):
+        """best.pt's (given val_loss): the weights and what describes them; else ckpt.pt's: all resume needs."""
+        state = dict(model_type=model_type, model_args=asdict(model.config), model=model.state_dict(),
+                     meta=meta, config=c, iter_num=iter_num)
+        if val_loss is not None:
+            return dict(state, val_loss=val_loss)
+        return dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                    best_val_loss=best_val_loss, tokens=tokens, time_s=time_before + time.time() - started)
+
+    def stop_non_finite(what, value):
+        kept = (f"the last good checkpoint {ckpt_path} is kept" if os.path.isfile(ckpt_path)
+                else "no checkpoint was written")
+        fail(f"{what} is {value} at iteration {iter_num}; training stopped and {kept}; "
+             f"lower learning_rate, raise warmup_iters or use dtype=float32")
+
+    if c['eval_only']:
+        losses = estimate_loss()
         if master:
-            print(f"{data_dir} is missing: preparing it now (python prepare_data.py shakespeare_char)")
-            try:
-                prepare_data.prepare('shakespeare_char', data_dir=data_root)
-            except ValueError as e:
-                fail(e)
-        if dist.is_initialized():
-            dist.barrier()
+            print(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        return dict(iter_num=iter_num, best_val_loss=best_val_loss, val_loss=losses['val'])
+
+    # the loop
+    data_gen, depth_gen = torch.Generator(), torch.Generator()  # reseeded for every batch and micro-step
+
+    def get_batch(it, micro):
+        """This rank's batch for micro-step micro of iteration it, keyed on the global micro-step, so
+        2 ranks x 1 micro-step read what 1 rank x 2 would."""
+        data_gen.manual_seed(rng_key(c['seed'], 'data', it, rank * accum + micro))
+        return batches['train'].get(data_gen)
+
+    # torch.manual_seed seeds every backend, 0.3 ms a call on a CPU-only torch; a CPU has one generator
+    seed = torch.default_generator.manual_seed if device_type == 'cpu' else torch.manual_seed
+    log = open_log(c, iter_num) if master else None
+    bar = tqdm(total=c['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True,
+               desc='compiling' if compiled else 'train')
+    losses, since, window, remeasured, mfu_withheld = None, 0, [], 0, False
+    started = t_log = time.time()
+    x, y = get_batch(iter_num, 0)
+    with stop_signals_between_iterations(ddp, device) as stop_requested:
+        try:
+            while iter_num < c['max_iters']:
+                if stop_requested():
+                    raise KeyboardInterrupt
+                lr = get_lr(iter_num, c)
+                for group in optimizer.param_groups:
+                    group['lr'] = lr
+                if hasattr(model, 'set_iteration'):  # a schedule inside the model (MoR's capacity warm-up)
+                    model.set_iteration(iter_num)
+                loss_sum, depths = torch.zeros((), device=device), []
+                for micro in range(accum):
+                    # r, then the dropout and noise of this micro-step, drawn outside any compiled region
+                    depth_gen.manual_seed(rng_key(c['seed'], 'depth', iter_num, micro))
+                    num_steps = model.sample_depth(depth_gen)
+                    seed(rng_key(c['seed'], 'noise', rank, iter_num, micro))
+                    if ddp:  # all-reduce the gradients only on the last micro-step
+                        trained.require_backward_grad_sync = micro == accum - 1
+                    with ctx:
+                        _, loss = trained(x, y, num_steps=num_steps)
+                        loss = loss / accum
+                    # the next batch, read while the device works
+                    x, y = get_batch(iter_num, micro + 1) if micro + 1 < accum else get_batch(iter_num + 1, 0)
+                    scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                    if num_steps is not None:
+                        depths.append(num_steps)
+                if c['grad_clip'] > 0:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c['grad_clip'])
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+
+                # log (loss.item(), a host-device sync, only here), evaluate and save
+                iter_num, tokens, since, window = iter_num + 1, tokens + tokens_per_iter, since + 1, window + depths
+                if compiled and since == 1:
+                    bar.set_description('train', refresh=False)
+                bar.update(1)
+                evaluating = iter_num % c['eval_interval'] == 0 or iter_num == c['max_iters']
+                if iter_num % c['log_interval'] and not evaluating:
+                    continue
+                dt = (time.time() - t_log) / since
+                if ddp:
+                    dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # every rank logs the same loss
+                lossf = loss_sum.item()
+                if not math.isfinite(lossf):
+                    stop_non_finite('loss', lossf)
+                mfu, depth = None, sum(window) / len(window) if window else None
+                if peak:
+                    mfu = model.estimate_mfu(tokens_per_iter // world, dt, peak, block_size, depth)
+                    if mfu > 1 and device_type == 'cpu' and c['peak_flops'] <= 0 and remeasured < 3:
+                        # faster than the peak: other work loaded the cores while it was measured, so
+                        # measure again (keeping the higher figure) rather than show an MFU above 100%
+                        remeasured, peak = remeasured + 1, measure_cpu_peak(getattr(torch, dtype), again=True)
+                        mfu = model.estimate_mfu(tokens_per_iter // world, dt, peak, block_size, depth)
+                    if mfu > 1:  # the peak is wrong for this device: say so once, never show the figure
+                        if not mfu_withheld:
+                            tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {dtype} peak of "
+                                       f"{peak / 1e9:.1f} GFLOP/s, so that peak is wrong for this device; MFU "
+                                       f"not reported (set --peak_flops=...)", file=sys.stderr)
+                        mfu_withheld, mfu = True, None
+                r = None if not depths else depths[0] if len(depths) == 1 else sum(depths) / len(depths)
+                record = dict(iter=iter_num, loss=lossf, lr=lr, r=r, tokens=tokens, time_s=round(
+                    time_before + time.time() - started, 3), mfu=None if mfu is None else round(mfu, 5))
+                bar.set_postfix(dict(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}",
+                                     **({} if mfu is None else {'mfu': f"{100 * mfu:.1f}%"})), refresh=False)
+                if evaluating:
+                    losses = estimate_loss()
+                    if not math.isfinite(losses['val']):
+                        stop_non_finite('val loss', losses['val'])
+                    improved, best_val_loss = losses['val'] < best_val_loss, min(best_val_loss, losses['val'])
+                    record.update(val_loss=losses['val'], eval_train_loss=losses['train'])
+                    if master:
+                        bar.write(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                        bar.set_description(f"saving {' and '.join([best_path] * improved + [ckpt_path])}")
+                        if improved:
+                            save_checkpoint(best_path, checkpoint_state(losses['val']))
+                        save_checkpoint(ckpt_path, checkpoint_state())
+                        bar.set_description('train', refresh=False)
+                if log:
+                    log.write(json.dumps(record) + '\n')
+                    log.flush()
+                since, window, t_log = 0, [], time.time()
+        except KeyboardInterrupt:
+            bar.close()
+            if master and iter_num > 0 and all(torch.isfinite(p).all() for p in model.parameters()):
+                print(f"\ninterrupted at iteration {iter_num}: saving {ckpt_path} ...", flush=True)
+                save_checkpoint(ckpt_path, checkpoint_state())
+                print(f"saved {ckpt_path}; continue with --init_from=resume")
+            elif master:
+                print(f"\ninterrupted at iteration {iter_num}: nothing saved")
+            sys.exit(130)
+    bar.close()
+    if log:
+        log.close()
+    if master and losses is not None:
+        print(f"done: {iter_num} iterations, {tokens:,} tokens, {time_before + time.time() - started:.0f} s of "
+              f"training; best val loss {best_val_loss:.4f} in {best_path}, the latest state in {ckpt_path}")
+    elif master:
+        print(f"nothing to train: {ckpt_path} is at iteration {iter_num}, max_iters is {c['max_iters']}; "
+              f"raise max_iters to continue")
+    return dict(iter_num=iter_num, best_val_loss=best_val_loss, val_loss=losses and losses['val'])
+
+# -----------------------------------------------------------------------------
+# Data: token files read as memmaps in random windows (common.Batches), or a depth task
+
+
+def load_data(c, device, master):
+    """(meta, {'train': ..., 'val': ...}): each split's token files, or for dataset='task:NAME' the
+    batch sources of that depth task. shakespeare_char is prepared on the first run."""
+    if c['dataset'].startswith('task:'):
+        from experiments.depth_tasks import task_batches
+        if not c['block_size']:
+            fail(f"dataset={c['dataset']!r} needs a block_size; set e.g. --block_size=128")
+        train_source, val_source = task_batches(c['dataset'][5:], c['block_size'], c['batch_size'], device,
+                                                c['seed'], c['difficulty'])
+        return {'task': c['dataset'], 'vocab_size': train_source.vocab_size}, {'train': train_source, 'val': val_source}
+    data_dir = os.path.join(c['data_dir'], c['dataset'])
     try:
+        if c['dataset'] == 'shakespeare_char' and not os.path.isfile(os.path.join(data_dir, 'meta.json')):
+            if master:  # prepare_data says what it reads or downloads
+                prepare_data.prepare('shakespeare_char', data_dir=c['data_dir'])
+            if dist.is_initialized():
+                dist.barrier()
         meta = prepare_data.load_meta(data_dir)
-        splits = {split: [prepare_data.read_tokens(p) for p in prepare_data.token_files(data_dir, split)]
-                  for split in ('train', 'val')}
+        return meta, {split: [prepare_data.read_tokens(p) for p in prepare_data.token_files(data_dir, split)]
+                      for split in ('train', 'val')}
     except ValueError as e:
         fail(e)
-    return splits['train'], splits['val'], meta
-
 
 # -----------------------------------------------------------------------------
 # The model: from the config, a checkpoint or pretrained GPT-2
 
 
-def requested_model(config, meta):
-    """(model_type, fields) the config asks for: preset, then fields set explicitly, then the
-    dataset's vocab_size unless set. model_type is '' when the config names none (a fresh model is
-    then a 'gpt'; a resumed one is whatever the checkpoint holds)."""
-    args = {}
-    model_type = config['model_type']
-    if config['preset']:
-        if config['preset'] not in PRESETS:
-            fail(f"unknown preset {config['preset']!r}; known presets: {', '.join(PRESETS)}")
-        args = dict(PRESETS[config['preset']])
+def requested_model(c, meta):
+    """(model_type, fields) the config asks for: a preset, then the fields set explicitly, then the
+    dataset's vocab_size unless set. model_type is '' when the config names none."""
+    args, model_type = {}, c['model_type']
+    if c['preset']:
+        if c['preset'] not in PRESETS:
+            fail(f"unknown preset {c['preset']!r}; known presets: {', '.join(PRESETS)}")
+        args = dict(PRESETS[c['preset']])
         preset_type = args.pop('model_type')
         if model_type and model_type != preset_type:
-            fail(f"model_type={model_type!r} conflicts with preset {config['preset']!r} (a {preset_type!r}); drop one")
+            fail(f"model_type={model_type!r} conflicts with preset {c['preset']!r} (a {preset_type!r}); drop one")
         model_type = preset_type
     if model_type and model_type not in MODELS:
         fail(f"unknown model_type {model_type!r}; known: {', '.join(MODELS)}")
-    explicit = {k: config[k] for k in MODEL_FIELDS if config[k] is not None}
-    config_class = MODELS[model_type or 'gpt'][0]
-    for f in fields(config_class):
-        if f.name in explicit and f.default not in (None, MISSING) and not _same_type(explicit[f.name], f.default):
+    explicit = {k: c[k] for k in MODEL_FIELDS if c[k] is not None}
+    for f in fields(MODELS[model_type or 'gpt'][0]):
+        if f.name in explicit and f.default not in (None, MISSING) and not same_type(explicit[f.name], f.default):
             fail(f"config key {f.name!r} must be {type(f.default).__name__}, got {explicit[f.name]!r}")
-    if model_type or config['init_from'] != 'resume':
+    if model_type or c['init_from'] != 'resume':
         foreign = foreign_fields(model_type or 'gpt', explicit)
         if foreign:
             fail(f"{foreign}; leave out what does not apply, or set model_type")
@@ -144,46 +379,41 @@ def requested_model(config, meta):
     if 'vocab_size' not in explicit:
         args['vocab_size'] = meta['vocab_size']  # the dataset's vocabulary over any preset's
     elif explicit['vocab_size'] < meta['vocab_size']:
-        fail(f"vocab_size={explicit['vocab_size']} is smaller than the dataset's {meta['vocab_size']}; raise it or drop it")
+        fail(f"vocab_size={explicit['vocab_size']} is smaller than the dataset's {meta['vocab_size']}; "
+             f"raise it or drop it")
     return model_type, args
 
 
-def _same_type(value, default):
+def same_type(value, default):
     if isinstance(default, bool) or isinstance(value, bool):
         return type(value) is type(default)
     return isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
 
 
-def check_checkpoint_matches(checkpoint, model_type, args, path):
-    """Refuse a checkpoint whose model differs from what the config asks for, naming every field."""
-    diffs = []
-    if model_type and model_type != checkpoint['model_type']:
-        diffs.append(f"model_type (checkpoint {checkpoint['model_type']!r}, config {model_type!r})")
-    for k, v in args.items():
-        if k != 'dropout' and checkpoint['model_args'].get(k, '<absent>') != v:  # dropout may change
-            diffs.append(f"{k} (checkpoint {checkpoint['model_args'].get(k, '<absent>')!r}, config {v!r})")
-    if diffs:
-        fail(f"{path} holds a different model than the config: {'; '.join(diffs)}; "
-             f"resume with the config it was trained with, or pick another out_dir")
-
-
-def init_model(config, meta, ckpt_path):
+def init_model(c, meta, ckpt_path):
     """(model, checkpoint or None). The seed is set first, so a fresh model is the same every run."""
-    torch.manual_seed(config['seed'])
-    model_type, args = requested_model(config, meta)
-    init_from = config['init_from']
+    torch.manual_seed(c['seed'])
+    model_type, args = requested_model(c, meta)
+    init_from = c['init_from']
     try:
         if init_from == 'scratch':
             return build_model(model_type or 'gpt', **args), None
         if init_from == 'resume':
             if not os.path.isfile(ckpt_path):
                 fail(f"init_from='resume' but {ckpt_path} does not exist; train from scratch first or fix out_dir")
-            checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)  # our own file: RNG states
-            check_checkpoint_matches(checkpoint, model_type, args, ckpt_path)
-            dropout = {} if config['dropout'] is None else {'dropout': config['dropout']}
+            checkpoint = read_checkpoint(ckpt_path)
+            saved = checkpoint['model_args']  # every field must match but dropout, which may change
+            diffs = [f"{k} (checkpoint {saved.get(k, '<absent>')!r}, config {v!r})"
+                     for k, v in args.items() if k != 'dropout' and saved.get(k, '<absent>') != v]
+            if model_type and model_type != checkpoint['model_type']:
+                diffs.insert(0, f"model_type (checkpoint {checkpoint['model_type']!r}, config {model_type!r})")
+            if diffs:
+                fail(f"{ckpt_path} holds a different model than the config: {'; '.join(diffs)}; "
+                     f"resume with the config it was trained with, or pick another out_dir")
+            dropout = {} if c['dropout'] is None else {'dropout': c['dropout']}
             return from_checkpoint(checkpoint, **dropout), checkpoint
         if init_from.startswith('gpt2'):
-            model = GPT.from_pretrained(init_from, dropout=config['dropout'] or 0.0)
+            model = GPT.from_pretrained(init_from, dropout=c['dropout'] or 0.0)
             if model.config.vocab_size < meta['vocab_size']:
                 fail(f"{init_from} has {model.config.vocab_size} tokens, the dataset {meta['vocab_size']}")
             return model, None
@@ -193,9 +423,21 @@ def init_model(config, meta, ckpt_path):
         fail(f"could not load pretrained {init_from!r} ({e}); it needs the Hugging Face hub or its cache")
     fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name such as 'gpt2', got {init_from!r}")
 
-
 # -----------------------------------------------------------------------------
-# Schedule, memory, compile, checkpoints, log
+# Compile, the schedule, checkpoints, the log, stop signals
+
+
+def resolve_compile(setting, device_type, n_embd):
+    """(compile or not, why 'auto' chose off, else None). 'auto' (or None) compiles only on CUDA at
+    n_embd >= 256: on a CPU, and for narrow models, compiling costs more than it saves."""
+    if setting is True or setting is False:
+        return setting, None
+    if setting not in (None, 'auto'):
+        fail(f"compile must be True, False or 'auto', got {setting!r}")
+    where = f"on {device_type}" if device_type != 'cuda' else f"at n_embd={n_embd} (< 256)" if n_embd < 256 else None
+    if where:
+        return False, f"compile='auto': off {where}, where compiling costs more than it saves; --compile=True forces it"
+    return True, None
 
 
 def get_lr(it, c):
@@ -209,78 +451,6 @@ def get_lr(it, c):
         return c['min_lr']
     ratio = (it - c['warmup_iters']) / max(1, decay_iters - c['warmup_iters'])
     return c['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c['learning_rate'] - c['min_lr'])
-
-
-def stored_block_passes(model):
-    """Block passes whose activations backward keeps, at the deepest training pass: n_layer for a
-    dense model; n_prelude + n_core * R + n_coda for a recurrent one (training draws r up to R;
-    Huginn keeps only its last backprop_depth steps)."""
-    c = model.config
-    if not hasattr(model, 'num_block_passes'):
-        return c.n_layer
-    return model.num_block_passes(getattr(c, 'backprop_depth', c.n_recur))
-
-
-def memory_estimate(model, batch_size, block_size, dtype, attention_matrix=False):
-    """Analytic training memory per device, in bytes, for a micro-batch of batch_size x block_size:
-
-      weights      the parameters as stored (fp32: autocast computes in 16-bit, keeps fp32 weights)
-      grads        the same again
-      optimizer    AdamW's two moments, the same again twice
-      activations  stored_block_passes(model) x per pass, plus the logits:
-                   per block pass 34 B T d + 5 B a T^2 bytes in 16-bit (Korthikanti et al. 2022,
-                   "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1, no
-                   parallelism; d = n_embd, a = n_head); in fp32 every 2-byte value takes 4 and the
-                   dropout masks stay 1 byte: 66 B T d + 9 B a T^2. The a T^2 term is the attention
-                   matrix: counted only with attention_matrix=True (compiled CPU training writes
-                   attention out); F.scaled_dot_product_attention's fused kernels, used otherwise,
-                   do not store it. Logits: B T V x (2 or 4 bytes + 4 for the fp32 log-softmax that
-                   cross_entropy keeps).
-
-    Not counted: GRT's W_proj, gate and update (about 8 B T d values a step), the embeddings' output,
-    temporaries, the CUDA context and allocator slack (together typically 1-3 GB on a GPU)."""
-    c = model.config
-    B, T, d, a, V = batch_size, block_size, c.n_embd, c.n_head, c.vocab_size
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
-    half = dtype in ('bfloat16', 'float16')
-    per_pass = (34 if half else 66) * B * T * d + (((5 if half else 9) * B * a * T * T) if attention_matrix else 0)
-    passes = stored_block_passes(model)
-    activations = passes * per_pass + B * T * V * ((2 if half else 4) + 4)
-    total = weights + weights + 2 * weights + activations
-    return dict(weights=weights, grads=weights, optimizer=2 * weights, activations=activations,
-                block_passes=passes, total=total)
-
-
-def describe_memory(est, device, batch_size, block_size):
-    """One line of memory_estimate in GiB, against this GPU's memory or the 80 GB the paper configs assume."""
-    gib = 2 ** 30
-    if device.startswith('cuda'):
-        capacity = torch.cuda.get_device_properties(device).total_memory
-        against = f"this GPU has {capacity / gib:.1f} GiB"
-    else:
-        capacity = 80e9
-        against = f"an 80 GB GPU, as the paper configs assume, has {capacity / gib:.1f} GiB"
-    return (f"memory per device (analytic, micro-batch {batch_size} x {block_size}): weights "
-            f"{est['weights'] / gib:.2f} + grads {est['grads'] / gib:.2f} + AdamW {est['optimizer'] / gib:.2f} + "
-            f"activations {est['activations'] / gib:.2f} ({est['block_passes']} block passes) = "
-            f"{est['total'] / gib:.2f} GiB ({against})"), est['total'] > capacity
-
-
-def resolve_compile(setting, device_type, n_embd):
-    """(compile or not, a line saying why 'auto' turned it off, else None). compile=True or False
-    forces it; 'auto' (or None, the default) compiles only on CUDA with n_embd >= 256: on a CPU,
-    and for narrow models, compiling (a minute or more) costs more than it saves."""
-    if setting is True or setting is False:
-        return setting, None
-    if setting not in (None, 'auto'):
-        fail(f"compile must be True, False or 'auto', got {setting!r}")
-    if device_type != 'cuda':
-        return False, (f"compile='auto': off on {device_type}, where compiling costs more than it saves; "
-                       f"--compile=True forces it")
-    if n_embd < 256:
-        return False, (f"compile='auto': off at n_embd={n_embd} (< 256), where compiling costs more than it "
-                       f"saves; --compile=True forces it")
-    return True, None
 
 
 def save_checkpoint(path, checkpoint):
@@ -297,476 +467,60 @@ def save_checkpoint(path, checkpoint):
             os.remove(tmp)
 
 
+def open_log(c, iter_num):
+    """out_dir/log.jsonl: a fresh run starts it; a resumed one keeps the lines up to its iteration
+    (not one torn by a hard kill) and appends, writing the rest again."""
+    os.makedirs(c['out_dir'], exist_ok=True)
+    path = os.path.join(c['out_dir'], 'log.jsonl')
+    if c['init_from'] == 'resume' and os.path.isfile(path):
+        truncate_log(path, iter_num)
+    return open(path, 'a' if c['init_from'] == 'resume' else 'w')
+
+
 def truncate_log(path, iter_num):
-    """Keep the log lines up to the checkpoint's iteration: the resumed run writes the rest again."""
-    if not os.path.isfile(path):
-        return
-    def keep(line):
-        try:
-            return json.loads(line)['iter'] <= iter_num
-        except (ValueError, KeyError):
-            return False  # a line torn by a hard kill
     with open(path) as f:
-        lines = [line for line in f if keep(line)]
+        lines = [line for line in f if line.endswith('}\n') and json.loads(line)['iter'] <= iter_num]
     with open(path + '.tmp', 'w') as f:
         f.writelines(lines)
     os.replace(path + '.tmp', path)
 
 
-def rng_states(data_gen, depth_gen):
-    states = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                  data=data_gen.get_state(), depth=depth_gen.get_state())
-    if torch.cuda.is_available():
-        states['cuda'] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states, data_gen, depth_gen):
-    torch.set_rng_state(states['torch'])
-    np.random.set_state(states['numpy'])
-    random.setstate(states['python'])
-    data_gen.set_state(states['data'])
-    depth_gen.set_state(states['depth'])
-    if 'cuda' in states and torch.cuda.is_available() and len(states['cuda']) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states['cuda'])
-
-
-# -----------------------------------------------------------------------------
-# Setup: what training builds once, and what it has done so far
-
-
-@dataclass
-class Run:
-    """Everything setup() builds, fixed while training runs."""
-    c: dict  # the config
-    ddp: bool
-    rank: int
-    world: int  # processes
-    device: str
-    dtype: str
-    autocast: object  # the mixed-precision context of every forward pass
-    accum: int  # this rank's micro-steps per iteration
-    model: torch.nn.Module
-    trained: torch.nn.Module  # what the training step calls: the model, or its DDP wrapper
-    model_type: str
-    meta: dict  # the dataset's meta.json, stored in checkpoints for sample.py
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    batches: dict  # 'train', 'val' -> Batches
-    data_gen: torch.Generator  # reseeded for every batch: (seed, iteration, global micro-step)
-    depth_gen: torch.Generator  # reseeded for every micro-step: (seed, iteration, micro-step), rank-free
-    block_size: int
-    tokens_per_iter: int  # over all ranks
-    compiled: bool
-    peak: float = 0.0  # per-device peak FLOP/s for MFU (rank 0 only); 0 = not shown
-    peak_remeasured: int = 0  # times the CPU's peak was measured again (see log_record)
-    mfu_withheld: bool = False  # an MFU above 100% was withheld, with a warning (see log_record)
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def ckpt_path(self):
-        return os.path.join(self.c['out_dir'], 'ckpt.pt')
-
-    @property
-    def best_path(self):
-        return os.path.join(self.c['out_dir'], 'best.pt')
-
-
-@dataclass
-class Progress:
-    """What the run has done; ckpt.pt stores it, and a resumed run continues from it."""
-    iter_num: int = 0
-    best_val_loss: float = math.inf
-    tokens: int = 0  # training tokens seen, all ranks together
-    time_before: float = 0.0  # training seconds of the runs this one resumes
-    started: float = 0.0  # time.time() when this process's training began
-
-    def time_s(self):
-        return self.time_before + time.time() - self.started
-
-
-def start_processes(c):
-    """(ddp, rank, local_rank, world, device): one process, or torchrun's (it sets RANK, LOCAL_RANK
-    and WORLD_SIZE), each on its device."""
-    ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
-    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
-    device = pick_device(c['device'], local_rank)
-    if ddp:
-        if device.startswith('cuda'):
-            torch.cuda.set_device(device)
-        dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
-    if c['gradient_accumulation_steps'] % world:
-        fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by the "
-             f"{world} processes; it counts micro-steps over all ranks together")
-    if device.startswith('cuda'):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return ddp, rank, local_rank, world, device
-
-
-def setup(c):
-    """Everything before the first step: processes, device and dtype, data, model, optimizer, the
-    resumed state, compilation and the peak for MFU. Returns (Run, Progress)."""
-    for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
-        if c[key] < 1:
-            fail(f"{key} must be >= 1, got {c[key]}")
-    ddp, rank, local_rank, world, device = start_processes(c)
-    device_type = device.split(':')[0]
-    if c['dtype'] != 'auto':  # a wrong dtype stops (a slow one warns) before any download
-        pick_dtype(c['dtype'], device_type, warn=rank == 0)
-    train_shards, val_shards, meta = load_dataset(c['data_dir'], c['dataset'], rank == 0)
-    ckpt_path = os.path.join(c['out_dir'], 'ckpt.pt')
-    if rank == 0:
-        print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
-            c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
-    model, checkpoint = init_model(c, meta, ckpt_path)
-    dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
-    if ddp and device_type == 'cpu':  # each rank measured its own bf16 speed for 'auto': all train in rank 0's choice
-        choice = [dtype]
-        dist.broadcast_object_list(choice, src=0)
-        dtype = choice[0]
-    block_size = c['block_size'] or model.config.block_size  # may be shorter than a GPT-2's 1024
-    if block_size > model.config.block_size:
-        fail(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower it")
-    model.to(device)
-    optimizer = model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), device_type)
-    scaler = torch.amp.GradScaler('cuda', enabled=dtype == 'float16')
-    data_gen, depth_gen = torch.Generator(), torch.Generator()
-    progress = Progress()
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        scaler.load_state_dict(checkpoint['scaler'])
-        restore_rng_states(checkpoint['rng_states'], data_gen, depth_gen)
-        progress = Progress(checkpoint['iter_num'], checkpoint['best_val_loss'], checkpoint['tokens'],
-                            checkpoint['time_s'])
-        checkpoint = None  # free the memory
-    compiled, compile_note = resolve_compile(c['compile'], device_type, model.config.n_embd)
-    if compiled:
-        model.compile_regions()  # compiles each block on first use: the first iterations are slow
-    accum = c['gradient_accumulation_steps'] // world
-    run = Run(c=c, ddp=ddp, rank=rank, world=world, device=device, dtype=dtype,
-              autocast=autocast_context(device_type, dtype), accum=accum, model=model,
-              trained=DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model,
-              model_type=model_type_of(model), meta=meta, optimizer=optimizer, scaler=scaler,
-              batches={'train': Batches(train_shards, block_size, c['batch_size'], device),
-                       'val': Batches(val_shards, block_size, c['batch_size'], device)},
-              data_gen=data_gen, depth_gen=depth_gen, block_size=block_size,
-              tokens_per_iter=c['batch_size'] * block_size * accum * world, compiled=compiled)
-    if run.master:
-        announce(run, progress, compile_note)
-        run.peak = peak_flops_for(device, getattr(torch, dtype), c['peak_flops'], verbose=True)
-    return run, progress
-
-
-def announce(run, progress, compile_note):
-    """Rank 0's start-up lines: the model and run, why compile='auto' chose off, the memory estimate."""
-    c, model = run.c, run.model
-    resumed = f"; from iteration {progress.iter_num}" if progress.iter_num else ""
-    print(f"{run.model_type} model, {model.get_num_params() / 1e6:.2f}M non-embedding parameters; {run.device}, "
-          f"{run.dtype}, compile={run.compiled}, {run.world} process(es); {run.tokens_per_iter:,} tokens per "
-          f"iteration{resumed}")
-    if compile_note:
-        print(compile_note)
-    on_cpu = run.device == 'cpu'
-    if on_cpu and c['dtype'] == 'auto' and model.config.n_embd >= CPU_BF16_MIN_WIDTH:  # the speed decided it
-        print(f"dtype='auto' chose {run.dtype}: bf16 matrix products measured {cpu_bf16_speedup():.2f}x as fast "
-              "as fp32 on this CPU")
-    estimate = memory_estimate(model, c['batch_size'], run.block_size, run.dtype, attention_matrix=run.compiled and on_cpu)
-    line, too_big = describe_memory(estimate, run.device, c['batch_size'], run.block_size)
-    print(line)
-    if too_big and run.device.startswith('cuda'):
-        print("warning: the estimate exceeds this GPU's memory; lower batch_size and raise "
-              "gradient_accumulation_steps by the same factor", file=sys.stderr)
-
-
-# -----------------------------------------------------------------------------
-# The step, evaluation, checkpoints
-
-
-def train_batch(run, it, micro):
-    """This rank's batch for micro-step `micro` of iteration it, keyed on the global micro-step, so
-    2 ranks x 1 micro-step read what 1 rank x 2 would."""
-    run.data_gen.manual_seed(rng_key(run.c['seed'], 'data', it, run.rank * run.accum + micro))
-    return run.batches['train'].get(run.data_gen)
-
-
-def train_step(run, it, batch, lr):
-    """Iteration it: accum micro-steps of forward and backward, clipping, one AdamW step. batch is
-    its first batch; the next one is fetched while the device works. Returns (mean loss, a tensor;
-    the depths r drawn; the next iteration's first batch)."""
-    c, model = run.c, run.trained
-    for group in run.optimizer.param_groups:
-        group['lr'] = lr
-    if hasattr(run.model, 'set_iteration'):  # a schedule inside the model (MoR's capacity warm-up)
-        run.model.set_iteration(it)
-    loss_sum, depths = torch.zeros((), device=run.device), []
-    x, y = batch
-    for micro in range(run.accum):
-        # r and the noise of this micro-step, drawn outside any compiled region
-        run.depth_gen.manual_seed(rng_key(c['seed'], 'depth', it, micro))
-        num_steps = run.model.sample_depth(run.depth_gen)
-        torch.manual_seed(rng_key(c['seed'], 'noise', run.rank, it, micro))
-        if run.ddp:  # all-reduce gradients only on the last micro-step; must be set before forward
-            model.require_backward_grad_sync = micro == run.accum - 1
-        with run.autocast:
-            _, loss = model(x, y, num_steps=num_steps)
-            loss = loss / run.accum
-        x, y = train_batch(run, it, micro + 1) if micro + 1 < run.accum else train_batch(run, it + 1, 0)
-        run.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-        if num_steps is not None:
-            depths.append(num_steps)
-    if c['grad_clip'] > 0:
-        run.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), c['grad_clip'])
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, depths, (x, y)
-
-
-@torch.no_grad()
-def evaluate(run):
-    """Mean loss over eval_iters fixed batches per split (the same every evaluation), split across
-    ranks; evaluation draws from its own generators, so it never shifts the training stream."""
-    c, model = run.c, run.model
-    model.eval()
-    out = {}
-    for split, batches in run.batches.items():
-        total = torch.zeros(2, device=run.device)  # sum of losses, number of batches
-        for k in range(run.rank, c['eval_iters'], run.world):
-            x, y = batches.get(torch.Generator().manual_seed(rng_key(c['seed'], 'eval', split, k)))
-            with run.autocast:
-                _, loss = model(x, y)
-            total += torch.stack([loss.float(), torch.ones((), device=run.device)])
-        if run.ddp:
-            dist.all_reduce(total)
-        out[split] = (total[0] / total[1]).item()
-    model.train()
-    return out
-
-
-def model_state(model):
-    return {k.removeprefix('_orig_mod.'): v for k, v in model.state_dict().items()}
-
-
-def latest_checkpoint(run, progress):
-    """ckpt.pt: everything a resumed run needs to continue exactly as if never stopped."""
-    return dict(model_type=run.model_type, model_args=asdict(run.model.config), model=model_state(run.model),
-                optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(), iter_num=progress.iter_num,
-                best_val_loss=progress.best_val_loss, config=run.c, meta=run.meta, tokens=progress.tokens,
-                time_s=progress.time_s(), rng_states=rng_states(run.data_gen, run.depth_gen))
-
-
-def best_checkpoint(run, progress, val_loss):
-    """best.pt: the weights with the best val loss so far (no optimizer state), for sample.py,
-    bench.py and analyze.py."""
-    return dict(model_type=run.model_type, model_args=asdict(run.model.config), model=model_state(run.model),
-                meta=run.meta, config=run.c, iter_num=progress.iter_num, val_loss=val_loss)
-
-
-def stop_non_finite(run, what, value, it):
-    kept = f"the last good checkpoint {run.ckpt_path} is kept" if os.path.isfile(run.ckpt_path) else "no checkpoint was written"
-    fail(f"{what} is {value} at iteration {it}; training stopped and {kept}; "
-         f"lower learning_rate, raise warmup_iters or use dtype=float32")
-
-
-def say(run, bar, text):
-    """Say what the run is doing: as the progress bar's label while the bar runs, else as a line."""
-    if not run.master:
-        return
-    if bar is None:
-        print(f"{text} ...", flush=True)
-    else:
-        bar.set_description(text, refresh=True)
-
-
-def evaluate_and_save(run, progress, bar):
-    """Evaluate; then (rank 0) write best.pt if val loss improved, and ckpt.pt. bar: the running
-    progress bar, or None after the last iteration. Returns the losses."""
-    say(run, bar, f"evaluating ({run.c['eval_iters']} batches a split)")
-    losses = evaluate(run)
-    if not math.isfinite(losses['val']):
-        stop_non_finite(run, 'val loss', losses['val'], progress.iter_num)
-    improved = losses['val'] < progress.best_val_loss
-    progress.best_val_loss = min(progress.best_val_loss, losses['val'])
-    if run.master:
-        (print if bar is None else bar.write)(f"iter {progress.iter_num}: train loss {losses['train']:.4f}, "
-                                              f"val loss {losses['val']:.4f}")
-        say(run, bar, f"saving {' and '.join([run.best_path] * improved + [run.ckpt_path])}")
-        if improved:
-            save_checkpoint(run.best_path, best_checkpoint(run, progress, losses['val']))
-        save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
-        if bar is not None:
-            bar.set_description('train', refresh=False)
-    return losses
-
-
-def log_record(run, progress, loss, lr, depths, window_depths, dt):
-    """The log.jsonl line of the iteration just done; stops the run on a non-finite loss. depths:
-    its r's; window_depths: every r since the last line, for MFU; dt: seconds per iteration."""
-    if run.ddp:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # every rank sees the same loss
-    lossf = loss.item()
-    if not math.isfinite(lossf):
-        stop_non_finite(run, 'loss', lossf, progress.iter_num)
-    mean_depth = sum(window_depths) / len(window_depths) if window_depths else None
-    mfu = (run.model.estimate_mfu(run.tokens_per_iter // run.world, dt, run.peak, run.block_size, mean_depth)
-           if run.peak else None)
-    if mfu is not None and mfu > 1 and run.device == 'cpu' and run.c['peak_flops'] <= 0 and run.peak_remeasured < 3:
-        # faster than the measured peak: that measurement ran while other work loaded the cores, so
-        # measure again (keeping the higher figure) rather than show an MFU above 100%
-        run.peak_remeasured += 1
-        run.peak = measure_cpu_peak(getattr(torch, run.dtype), again=True)
-        mfu = run.model.estimate_mfu(run.tokens_per_iter // run.world, dt, run.peak, run.block_size, mean_depth)
-    if mfu is not None and mfu > 1:  # the peak is wrong for this device: say so once, never show the figure
-        if not run.mfu_withheld:
-            tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {run.dtype} peak of {run.peak / 1e9:.1f} "
-                       f"GFLOP/s, so that peak is wrong for this device; MFU not reported (set --peak_flops=...)",
-                       file=sys.stderr)
-        run.mfu_withheld, mfu = True, None
-    return dict(iter=progress.iter_num, loss=lossf, lr=lr,
-                r=(depths[0] if len(depths) == 1 else sum(depths) / len(depths)) if depths else None,
-                tokens=progress.tokens, time_s=round(progress.time_s(), 3), mfu=None if mfu is None else round(mfu, 5))
-
-
-def open_log(run, iter_num):
-    """out_dir/log.jsonl on rank 0: a fresh run starts it, a resumed one cuts it back to the
-    checkpoint's iteration and appends."""
-    if not run.master:
-        return None
-    os.makedirs(run.c['out_dir'], exist_ok=True)
-    path = os.path.join(run.c['out_dir'], 'log.jsonl')
-    resume = run.c['init_from'] == 'resume'
-    if resume:
-        truncate_log(path, iter_num)
-    return open(path, 'a' if resume else 'w')
-
-
-# -----------------------------------------------------------------------------
-# Training
-
-
 @contextmanager
-def stop_signals_between_iterations():
-    """Within it, Ctrl-C (SIGINT) and SIGTERM (how torchrun passes a stop on to its workers, and how
-    clusters preempt) set the yielded event instead of interrupting, and train stops at the next
-    iteration boundary: a checkpoint then never holds weights a step ahead of its iter_num, nor a
-    log one missing the iteration before it. A signal that is ignored or handled by someone else,
-    or every signal off the main thread, is left as it was."""
-    interrupted = threading.Event()
-    installed = {}
+def stop_signals_between_iterations(ddp, device):
+    """Ctrl-C (SIGINT) and SIGTERM (torchrun's way to stop its workers, a cluster's before preempting)
+    only set a flag, and the loop asks the yielded stop_requested() at each iteration boundary, so
+    ckpt.pt and log.jsonl agree on the iteration. Under DDP the ranks agree (one small all-reduce an
+    iteration): none waits in a collective the others have left. Signals handled elsewhere are left alone."""
+    interrupted, installed = threading.Event(), {}
     if threading.current_thread() is threading.main_thread():
         for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
             if signal.getsignal(sig) is default:
                 installed[sig] = signal.signal(sig, lambda signum, frame: interrupted.set())
+
+    def stop_requested():
+        if not ddp:
+            return interrupted.is_set()
+        flag = torch.tensor(float(interrupted.is_set()), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
     try:
-        yield interrupted
+        yield stop_requested
     finally:
         for sig, previous in installed.items():
             signal.signal(sig, previous)
-
-
-def stop_requested(run, interrupted):
-    """Whether a stop signal arrived, here or under DDP on any rank: the ranks agree (one small
-    all-reduce an iteration), so all stop at the same iteration and none is left waiting in a
-    collective that the others have left."""
-    if not run.ddp:
-        return interrupted.is_set()
-    flag = torch.tensor(float(interrupted.is_set()), device=run.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
-
-
-def train(run, progress):
-    """Steps until max_iters: a log line every log_interval iterations; evaluation, best.pt (if
-    better) and ckpt.pt every eval_interval and at max_iters; ckpt.pt on Ctrl-C or SIGTERM. Returns the last
-    val loss (None if it did not evaluate)."""
-    c = run.c
-    log = open_log(run, progress.iter_num)
-    bar = tqdm(total=c['max_iters'], initial=progress.iter_num, disable=not run.master, dynamic_ncols=True,
-               desc='compiling' if run.compiled else 'train')
-    losses, since_log, window_depths = None, 0, []
-    progress.started = t_log = time.time()
-    batch = train_batch(run, progress.iter_num, 0)
-    with stop_signals_between_iterations() as interrupted:
-        try:
-            while progress.iter_num < c['max_iters']:
-                if stop_requested(run, interrupted):
-                    raise KeyboardInterrupt
-                lr = get_lr(progress.iter_num, c)
-                loss, depths, batch = train_step(run, progress.iter_num, batch, lr)
-                progress.iter_num += 1
-                progress.tokens += run.tokens_per_iter
-                since_log += 1
-                window_depths += depths
-                if run.compiled and since_log == 1:
-                    bar.set_description('train', refresh=False)
-                bar.update(1)
-                last = progress.iter_num == c['max_iters']
-                evaluating = progress.iter_num % c['eval_interval'] == 0 or last
-                if progress.iter_num % c['log_interval'] and not evaluating:
-                    continue  # no host-device sync on the other iterations
-                dt = (time.time() - t_log) / since_log
-                record = log_record(run, progress, loss, lr, depths, window_depths, dt)
-                postfix = dict(loss=f"{record['loss']:.4f}", tok_s=f"{run.tokens_per_iter / dt:,.0f}")
-                if record['mfu'] is not None:
-                    postfix['mfu'] = f"{100 * record['mfu']:.1f}%"
-                bar.set_postfix(postfix, refresh=False)
-                if last:
-                    bar.close()  # the final evaluation and checkpoint say so on lines of their own
-                if evaluating:
-                    losses = evaluate_and_save(run, progress, None if last else bar)
-                    record.update(val_loss=losses['val'], eval_train_loss=losses['train'])
-                if log:
-                    log.write(json.dumps(record) + '\n')
-                    log.flush()
-                since_log, window_depths, t_log = 0, [], time.time()
-        except KeyboardInterrupt:
-            bar.close()
-            if run.master:
-                if progress.iter_num > 0 and all(torch.isfinite(p).all() for p in run.model.parameters()):
-                    print(f"\ninterrupted at iteration {progress.iter_num}: saving {run.ckpt_path} ...", flush=True)
-                    save_checkpoint(run.ckpt_path, latest_checkpoint(run, progress))
-                    print(f"saved {run.ckpt_path}; continue with --init_from=resume")
-                else:
-                    print(f"\ninterrupted at iteration {progress.iter_num}: nothing saved")
-            sys.exit(130)
-    bar.close()
-    if log:
-        log.close()
-    if run.master and losses is not None:
-        print(f"done: {progress.iter_num} iterations, {progress.tokens:,} tokens, {progress.time_s():.0f} s of "
-              f"training; best val loss {progress.best_val_loss:.4f} in {run.best_path}, the latest state in "
-              f"{run.ckpt_path}")
-    elif run.master:
-        print(f"nothing to train: {run.ckpt_path} is at iteration {progress.iter_num}, max_iters is "
-              f"{c['max_iters']}; raise max_iters to continue")
-    return None if losses is None else losses['val']
 
 
 def main(argv=None):
     """Train as the command line (or argv) says; return {'iter_num', 'best_val_loss', 'val_loss'}."""
     c = read_settings(DEFAULTS, argv)
     try:
-        run, progress = setup(c)
-    except KeyboardInterrupt:
+        result = train(c)
+    except KeyboardInterrupt:  # the loop itself stops at an iteration boundary and exits
         print("\ninterrupted before training began: nothing saved")
         sys.exit(130)
-    if c['eval_only']:
-        say(run, None, f"evaluating ({c['eval_iters']} batches a split)")
-        losses = evaluate(run)
-        if run.master:
-            print(f"iter {progress.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        val_loss = losses['val']
-    else:
-        val_loss = train(run, progress)
-    if run.ddp:
+    if dist.is_initialized():
         dist.destroy_process_group()
-    return dict(iter_num=progress.iter_num, best_val_loss=progress.best_val_loss, val_loss=val_loss)
+    return result
 
 
 if __name__ == '__main__':
