@@ -1,5 +1,6 @@
 """The shipped configs: every one parses with train.py's settings, builds its model and trains, so a
-renamed key can never break a user's command; and the FLOP matching their comments claim holds."""
+renamed key can never break a user's command; the paper configs fit 80 GB and start training at their
+real shapes; and the FLOP matching their comments claim holds."""
 
 import glob
 import json
@@ -10,16 +11,20 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import memory
 from experiments import study
+from experiments.depth_tasks import make_task
 import train
 from config import parse_config
-from prepare_data import write_tokens
+from prepare_data import GPT2_VOCAB_SIZE, write_tokens
 from registry import MODELS, PRESETS, build_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '*.py'))
                  if not p.endswith('__init__.py'))  # the recipes too: each parses and trains on its own
 MODEL_FIELDS = set().union(*(config_class.__dataclass_fields__ for config_class, _ in MODELS.values()))
+PAPER_CONFIGS = sorted(os.path.relpath(p, HERE) for pattern in ('gpt2_*', 'grt_*', 'huginn_small', 'mor_small')
+                       for p in glob.glob(os.path.join(HERE, 'config', pattern + '.py')))
 CHAR_VOCAB = 65  # Tiny Shakespeare's characters
 
 
@@ -32,6 +37,8 @@ def config_model(path):
     every model field it sets (a field its model_type lacks is refused), the dataset's vocabulary."""
     c = read_config(path)
     fields = {k: c[k] for k in MODEL_FIELDS if c.get(k) is not None}
+    if c['dataset'].startswith('task:'):  # a depth task's vocabulary is its own
+        fields.setdefault('vocab_size', make_task(c['dataset'][5:], c['block_size']).vocab_size)
     fields.setdefault('vocab_size', CHAR_VOCAB if c['dataset'] == 'shakespeare_char' else None)
     assert fields['vocab_size'], f"{path} sets no vocab_size for dataset {c['dataset']!r}"
     with torch.device('meta'):
@@ -45,7 +52,7 @@ def test_config_builds_its_model_on_meta(path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Two training steps of every config through train.main, widths shrunk, layouts kept
+# Two training steps of every other config through train.main, widths shrunk, layouts kept
 
 
 @pytest.fixture(scope='module')
@@ -66,7 +73,7 @@ TINY = dict(n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulat
             peak_flops=1e12)  # a fixed peak: no measuring
 
 
-@pytest.mark.parametrize('path', CONFIGS)
+@pytest.mark.parametrize('path', [p for p in CONFIGS if p not in PAPER_CONFIGS])
 def test_config_trains_two_steps(path, data_root, tmp_path):
     out_dir = tmp_path / 'out'
     argv = [os.path.join(HERE, path), f'--data_dir={data_root}', '--dataset=tiny', f'--out_dir={out_dir}',
@@ -74,6 +81,87 @@ def test_config_trains_two_steps(path, data_root, tmp_path):
     result = train.main(argv)
     assert result['iter_num'] == 2 and math.isfinite(result['val_loss'])
     assert os.path.isfile(out_dir / 'ckpt.pt')
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper configs on their real path: memory per GPU, and training at their real shapes
+
+
+@pytest.mark.parametrize('model', ['gpt', 'grt', 'huginn'])
+def test_memory_estimate_against_an_independent_count(model):
+    B, T, d, a, V = 4, 16, 32, 2, 50
+    block = 12 * d * d + 13 * d  # attention 4 d^2 + 4 d, MLP 8 d^2 + 5 d, two LayerNorms 4 d
+    if model == 'gpt':
+        net, passes = build_model('gpt', n_layer=2, n_embd=d, n_head=a, block_size=T, vocab_size=V), 2
+        params = V * d + T * d + 2 * block + 2 * d  # wte (tied head), wpe, 2 blocks, ln_f
+    else:
+        layout = dict(n_prelude=1, n_core=2, n_recur=3, n_coda=1, n_embd=d, n_head=a, block_size=T, vocab_size=V)
+        if model == 'grt':
+            net, passes = build_model('grt', **layout), 1 + 2 * 3 + 1  # every step keeps its activations
+            step = (2 * d * d + d) + 2 * (2 * d) + (2 * d * d + d) + (d * d + d)  # W_proj, ln_h + ln_e, f_g
+        else:
+            net, passes = build_model('huginn', **layout, backprop_depth=2), 1 + 2 * 2 + 1  # the last k = 2 steps
+            step = 2 * d * d + d  # the adapter
+        params = V * d + T * d + 4 * block + 2 * d + step
+    assert net.get_num_params(non_embedding=False) == params
+    est = memory.memory_estimate(net, B, T, 'float32')
+    assert est['weights'] == 4 * params and est['grads'] == 4 * params and est['optimizer'] == 8 * params
+    assert est['block_passes'] == passes
+    assert est['activations'] == passes * 66 * B * T * d + B * T * V * 8
+    est = memory.memory_estimate(net, B, T, 'bfloat16')
+    assert est['activations'] == passes * 34 * B * T * d + B * T * V * 6
+    assert est['total'] == 16 * params + est['activations']
+
+
+def test_paper_configs_fit_80_gb_at_their_micro_batch(capsys):
+    """benchmarks/memory.py on every paper config, each built on the meta device at its real block_size,
+    width and layout: the analytic memory per GPU at the configured micro-batch fits in 80 GB."""
+    estimates = memory.main(PAPER_CONFIGS)
+    assert list(estimates) == PAPER_CONFIGS and len(PAPER_CONFIGS) == 11
+    out = capsys.readouterr().out.splitlines()
+    for path, line in zip(PAPER_CONFIGS, out):
+        c = read_config(path)
+        model = config_model(path)
+        assert model.config.block_size == c['block_size'] == 1024 and model.config.n_embd == c['n_embd']
+        assert estimates[path] == memory.memory_estimate(model, c['batch_size'], 1024, 'bfloat16')
+        assert 0 < estimates[path]['total'] <= 80e9 and line.startswith(f"{path}: micro-batch {c['batch_size']} x 1024")
+        assert line.endswith('fits')
+
+
+@pytest.fixture(scope='module')
+def fineweb_root(tmp_path_factory):
+    """data/fineweb10B/ as `prepare_data.py fineweb10B` leaves it: a train and a val shard of random GPT-2
+    ids (uint16, the shards' header) under the shards' names, and meta.json."""
+    root = tmp_path_factory.mktemp('data')
+    os.makedirs(root / 'fineweb10B')
+    rng = np.random.default_rng(0)
+    write_tokens(str(root / 'fineweb10B' / 'fineweb_train_000001.bin'), rng.integers(GPT2_VOCAB_SIZE, size=20_000))
+    write_tokens(str(root / 'fineweb10B' / 'fineweb_val_000000.bin'), rng.integers(GPT2_VOCAB_SIZE, size=5_000))
+    with open(root / 'fineweb10B' / 'meta.json', 'w') as f:
+        json.dump({'tokenizer': 'gpt2', 'vocab_size': GPT2_VOCAB_SIZE}, f)
+    return str(root)
+
+
+@pytest.mark.parametrize('path', PAPER_CONFIGS)
+def test_paper_config_trains_at_its_real_shapes(path, fineweb_root, tmp_path, monkeypatch):
+    """One iteration at batch 1 with the config's own block_size (1024), width and layout, on its own
+    dataset name (fineweb10B, here a local shard), in fp32 on the CPU without compile: the fresh model's
+    loss on random GPT-2 ids is about log(vocab_size), and the checkpoints hold the config's model (not
+    written to disk: up to 12 GB for the large configs' optimizer states). The slowest tests of the
+    suite: 16 CPU minutes and up to 14 GB for all eleven (docs/training.md, paper-scale configs)."""
+    saved = {}
+    monkeypatch.setattr(train, 'save_checkpoint', lambda p, checkpoint: saved.update({os.path.basename(p): checkpoint}))
+    argv = [os.path.join(HERE, path), f'--data_dir={fineweb_root}', f'--out_dir={tmp_path}', '--batch_size=1',
+            '--gradient_accumulation_steps=1', '--max_iters=1', '--eval_iters=1', '--device=cpu',
+            '--dtype=float32', '--compile=False', '--peak_flops=1e12']
+    result = train.main(argv)
+    with open(tmp_path / 'log.jsonl') as f:
+        (row,) = [json.loads(line) for line in f]
+    c = read_config(path)
+    assert result['iter_num'] == 1 and row['tokens'] == 1024 and set(saved) == {'best.pt', 'ckpt.pt'}
+    assert abs(row['loss'] - math.log(c['vocab_size'])) < 0.5 and abs(row['val_loss'] - math.log(c['vocab_size'])) < 0.5
+    fields = {k: c[k] for k in MODEL_FIELDS if c.get(k) is not None}
+    assert {k: saved['ckpt.pt']['model_args'][k] for k in fields} == fields and fields['block_size'] == 1024
 
 
 # ---------------------------------------------------------------------------------------------
