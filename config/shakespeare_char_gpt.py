@@ -8,3 +8,4 @@ from config.recipe_shakespeare_char import *
 out_dir = 'out-shakespeare-char-gpt'
 model_type = 'gpt'
 n_layer = 6
+learning_rate = 4e-3  # the study's tuned rate for the dense model (results/study/tune.md; the recipe's 1e-3 is below it)
