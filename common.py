@@ -90,30 +90,40 @@ def others_busy(since):
 def cpu_threads(busy, cores, threads):
     """torch's threads beside other work keeping `busy` cores of `cores` busy: one per core it leaves
     free, at least 1, at most `threads` (torch's default). A thread sharing a core with other work
-    holds every parallel op's team back: on 2 cores with one taken, the quick start trained ~12x slower
-    on 2 threads than on 1 (docs/training.md#sharing-the-cores)."""
+    holds back every parallel op's team: on 2 cores with one taken, the quick start trained 2.5-4.5x
+    slower than alone on 2 threads, 1.5-1.8x on 1 (docs/training.md#sharing-the-cores)."""
     return max(1, min(threads, round(cores - busy)))
 
 
+_shared = {}  # share_cores' state: 'since' (the cpu_times() of its last call), 'threads' (torch's default)
+
+
 def share_cores(device):
-    """At start-up, on a CPU: how many cores other work keeps busy (0.2 s of /proc/stat; the 1-minute
-    load average where there is none), torch's threads set by cpu_threads unless OMP_NUM_THREADS is set,
-    and a line saying so when other work takes half a core or more. Returns that line, '' otherwise."""
+    """On a CPU, torch's threads by cpu_threads from how many cores other work keeps busy: at the first
+    call (start-up) over 0.2 s of /proc/stat (the 1-minute load average where there is none), at every
+    later one over the time since the call before, so a script that calls it now and then (train.py: at
+    every log line) follows a job that starts or ends beside it. OMP_NUM_THREADS, where set, decides
+    instead. Returns a line when the threads change, or at start-up when other work takes half a core
+    or more; '' otherwise."""
     if device != 'cpu':
         return ''
-    since = cpu_times()
-    time.sleep(0.2)
-    busy = others_busy(since)
+    first = not _shared
+    if first:
+        _shared.update(since=cpu_times(), threads=torch.get_num_threads())
+        time.sleep(0.2)
+    busy, _shared['since'] = others_busy(_shared['since']), cpu_times()
     if busy is None:
         busy = os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
-    cores = os.cpu_count() or 1
-    if 'OMP_NUM_THREADS' not in os.environ:
-        torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
-    if busy < 0.5:
-        return ''
-    how = 'as OMP_NUM_THREADS says' if 'OMP_NUM_THREADS' in os.environ else 'one per free core'
-    return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs {torch.get_num_threads()} "
-            f"thread(s) ({how}) and timings are slower than on a quiet machine")
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    if 'OMP_NUM_THREADS' in os.environ:
+        how = 'as OMP_NUM_THREADS says'
+    else:
+        how = 'one per core it leaves free'
+        torch.set_num_threads(cpu_threads(busy, cores, _shared['threads']))
+    if torch.get_num_threads() != before or first and busy >= 0.5:
+        return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
+                f"{torch.get_num_threads()} thread(s) ({how})")
+    return ''
 
 
 @functools.cache

@@ -210,37 +210,65 @@ def test_cpu_threads_are_the_free_cores(busy, cores, default, threads):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """torch on 2 threads of a 2-core machine, OMP_NUM_THREADS unset; restored afterwards."""
+    """torch on 2 threads of a 2-core machine, OMP_NUM_THREADS unset, share_cores not yet called;
+    restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(os, 'cpu_count', lambda: 2)
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    monkeypatch.setattr(common, '_shared', {})
     yield
     torch.set_num_threads(threads)
 
 
-def test_share_cores_takes_the_free_core_and_says_so(two_threads, monkeypatch):
-    monkeypatch.setattr(common, 'others_busy', lambda since: 1.04)
+def busy_cores(monkeypatch, busy):
+    monkeypatch.setattr(common, 'others_busy', lambda since: busy)
+
+
+def test_share_cores_follows_other_work_and_says_so(two_threads, monkeypatch):
+    busy_cores(monkeypatch, 1.04)  # a job on one core at start-up
     assert common.share_cores('cpu') == ("note: other work keeps 1.0 of 2 cores busy, so torch runs 1 thread(s) "
-                                         "(one per free core) and timings are slower than on a quiet machine")
+                                         "(one per core it leaves free)")
     assert torch.get_num_threads() == 1
+    assert common.share_cores('cpu') == '' and torch.get_num_threads() == 1  # no change, no line
+    busy_cores(monkeypatch, 0.1)  # the job ended
+    assert common.share_cores('cpu') == ("note: other work keeps 0.1 of 2 cores busy, so torch runs 2 thread(s) "
+                                         "(one per core it leaves free)")
+    assert torch.get_num_threads() == 2
+    busy_cores(monkeypatch, 0.9)  # a job started mid-run
+    assert 'runs 1 thread(s)' in common.share_cores('cpu') and torch.get_num_threads() == 1
     assert common.share_cores('cuda:0') == '' and common.share_cores('mps') == ''
 
 
 def test_share_cores_leaves_a_quiet_machine_and_omp_num_threads_alone(two_threads, monkeypatch):
-    monkeypatch.setattr(common, 'others_busy', lambda since: 0.3)
+    busy_cores(monkeypatch, 0.3)
     assert common.share_cores('cpu') == '' and torch.get_num_threads() == 2
-    monkeypatch.setattr(common, 'others_busy', lambda since: 1.5)
+    monkeypatch.setattr(common, '_shared', {})
+    busy_cores(monkeypatch, 1.5)
     monkeypatch.setenv('OMP_NUM_THREADS', '2')
-    assert 'runs 2 thread(s) (as OMP_NUM_THREADS says)' in common.share_cores('cpu')
+    assert common.share_cores('cpu') == ("note: other work keeps 1.5 of 2 cores busy, so torch runs 2 thread(s) "
+                                         "(as OMP_NUM_THREADS says)")
     assert torch.get_num_threads() == 2
+    assert common.share_cores('cpu') == ''  # said once
+
+
+@linux_only
+def test_share_cores_reads_the_machine(two_threads):
+    """Unmocked: it sleeps 0.2 s at start-up only, and picks the threads for what it read."""
+    t0 = time.monotonic()
+    common.share_cores('cpu')
+    assert 0.2 <= time.monotonic() - t0 < 2
+    t0 = time.monotonic()
+    common.share_cores('cpu')
+    assert time.monotonic() - t0 < 0.1
+    assert torch.get_num_threads() in (1, 2)
 
 
 def test_a_peak_measured_beside_other_work_says_it_reads_low(two_threads, monkeypatch, capsys):
     monkeypatch.setattr(common, '_time_linear', lambda n, dtype, repeats: 2 * n ** 3 / 5.37e10)
     monkeypatch.setattr(common, '_cpu_peak_cache', {})
     monkeypatch.setattr(common, '_cpu_peak_busy', {})
-    monkeypatch.setattr(common, 'others_busy', lambda since: 1.1)
+    busy_cores(monkeypatch, 1.1)
     assert common.peak_flops_for('cpu', torch.float32, 0.0, verbose=True) == pytest.approx(5.37e10)
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["measuring the CPU's peak FLOP/s in float32 for MFU ... 53.7 GFLOP/s on 2 thread(s)",
@@ -248,7 +276,7 @@ def test_a_peak_measured_beside_other_work_says_it_reads_low(two_threads, monkey
                      "reads low and MFU high; --peak_flops=... sets a fixed peak"]
     torch.set_num_threads(1)  # one thread beside one busy core: the peak of the thread the run has
     assert common.cpu_peak_contended(torch.float32) == ''
-    monkeypatch.setattr(common, 'others_busy', lambda since: 0.1)
+    busy_cores(monkeypatch, 0.1)
     torch.set_num_threads(2)
     common.measure_cpu_peak(torch.bfloat16)
     assert common.cpu_peak_contended(torch.bfloat16) == ''
