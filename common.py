@@ -221,14 +221,14 @@ def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
 
 
 def cpu_peak_contended(dtype):
-    """A line saying the measured peak in dtype reads low, when other work kept more cores busy while
-    it was measured than torch's threads left free (one core taken on 2 read 53.7 GFLOP/s on 2 threads,
-    and MFU swung from 4.4% to 59.6%); '' otherwise."""
+    """A line saying the measured peak in dtype may read low, when other work kept more cores busy while
+    it was measured than torch's threads left free (on 2 threads beside another job it read 54-180
+    GFLOP/s, against 168-185 alone: docs/long_runs.md); '' otherwise."""
     busy, cores = _cpu_peak_busy.get(dtype), os.cpu_count() or 1
     if busy is None or busy < cores - torch.get_num_threads() + 0.25:
         return ''
     return (f"note: other work kept {busy:.1f} of {cores} cores busy while the peak was measured on "
-            f"{torch.get_num_threads()} thread(s), so it reads low and MFU high; --peak_flops=... sets a fixed peak")
+            f"{torch.get_num_threads()} thread(s), so it may read low and MFU high; --peak_flops=... sets a fixed peak")
 
 
 def peak_flops_for(device, ptdtype, override, verbose=False):

@@ -2,6 +2,7 @@
 the token files mapped, and the start-up note and thread count for a busy machine."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,19 @@ def test_scripts_say_one_line_for_a_truncated_checkpoint(half_dir, script):
     assert err.startswith(f"error: {os.path.join(half_dir, 'half.pt')} is truncated or corrupt"), err
 
 
+def test_resume_from_a_truncated_checkpoint_is_one_line(half_dir, tmp_path):
+    text = tmp_path / 'text.txt'
+    text.write_text('To be, or not to be, that is the question.\n' * 50)
+    prepare_data.prepare('mini', data_dir=str(tmp_path), input_path=str(text))
+    out_dir = tmp_path / 'out'
+    out_dir.mkdir()
+    shutil.copy(os.path.join(half_dir, 'half.pt'), out_dir / 'ckpt.pt')
+    code, err = run_script('train.py', '--dataset=mini', f'--data_dir={tmp_path}', f'--out_dir={out_dir}',
+                           '--init_from=resume', '--device=cpu')
+    assert code == 1 and err.strip().splitlines() == [err.strip()] and 'Traceback' not in err, err
+    assert err.startswith(f"error: {out_dir / 'ckpt.pt'} is truncated or corrupt (PytorchStreamReader"), err
+
+
 # -----------------------------------------------------------------------------
 # A device this machine lacks
 
@@ -111,9 +125,11 @@ def test_pick_device_mps_and_bad_names():
     assert common.pick_device('cpu') == 'cpu'
 
 
-def test_sample_with_device_cuda_is_one_line_without_cuda(half_dir):
+@pytest.mark.parametrize('script', ['sample.py', 'train.py'])
+def test_device_cuda_is_one_line_without_cuda(half_dir, tmp_path, script):
     # no GPU visible: on a CUDA build as on this CPU-only one, torch.cuda.is_available() is False
-    code, err = run_script('sample.py', f'--out_dir={half_dir}', '--device=cuda', CUDA_VISIBLE_DEVICES='')
+    out_dir = half_dir if script == 'sample.py' else tmp_path
+    code, err = run_script(script, f'--out_dir={out_dir}', '--device=cuda', CUDA_VISIBLE_DEVICES='')
     assert code == 1 and err.strip().splitlines() == [err.strip()] and 'Traceback' not in err, err
     assert err.startswith("error: device='cuda' but") and 'use --device=cpu' in err
 
@@ -273,7 +289,7 @@ def test_a_peak_measured_beside_other_work_says_it_reads_low(two_threads, monkey
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["measuring the CPU's peak FLOP/s in float32 for MFU ... 53.7 GFLOP/s on 2 thread(s)",
                      "note: other work kept 1.1 of 2 cores busy while the peak was measured on 2 thread(s), so it "
-                     "reads low and MFU high; --peak_flops=... sets a fixed peak"]
+                     "may read low and MFU high; --peak_flops=... sets a fixed peak"]
     torch.set_num_threads(1)  # one thread beside one busy core: the peak of the thread the run has
     assert common.cpu_peak_contended(torch.float32) == ''
     busy_cores(monkeypatch, 0.1)
