@@ -1,13 +1,16 @@
 """
 The quick start on cores shared with another job: train.py config/shakespeare_char_grt.py for --iters
-iterations (ms/iteration from log.jsonl, iterations 10 to the last, and the measured peak), then
-sample.py's 100 tokens (wall seconds), each alone and beside one single-threaded busy loop, under
-each thread setting. Each measurement waits until other work leaves the cores idle, and one during
-which other work took more than 0.15 of a core is taken again. Linux only (/proc/stat). Results:
-docs/training.md#sharing-the-cores.
+iterations (ms/iteration from log.jsonl, iterations --from_iter to the last, and the measured peak),
+then sample.py's 100 tokens (wall seconds of the process). A case is WHERE-THREADS: WHERE is idle,
+load (the --load job started first) or late (started 8 s into the run); THREADS is default (torch's),
+1thread (OMP_NUM_THREADS=1), passive (OMP_WAIT_POLICY=PASSIVE) or proposed (torch's defaults, for a
+--repo whose scripts choose their threads). Each measurement waits until other work leaves the cores
+idle, and one during which other work took more than 0.15 of a core is taken again (3 tries). Linux
+only (/proc/stat). Results: docs/training.md#sharing-the-cores.
 
-    python -m benchmarks.shared_cores                            # every case, twice
-    python -m benchmarks.shared_cores --cases=load-default,load-1thread --repeats=1
+    python -m benchmarks.shared_cores                   # alone and beside a 1-thread matmul loop, twice
+    python -m benchmarks.shared_cores --load=train --cases=load-default,load-1thread,load-passive
+    python -m benchmarks.shared_cores --load=train --cases=late-default,late-passive --iters=80 --from_iter=50 --sample=False
 """
 
 import argparse
@@ -62,8 +65,10 @@ def measure(command, env, load, late, cwd, work):
     t0 = time.time()
     p = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if load and late:
-        time.sleep(8)
-        job = start_load()
+        try:
+            p.wait(timeout=8)  # a short command may end first, then never meets the job
+        except subprocess.TimeoutExpired:
+            job = start_load()
     stdout, stderr = p.communicate()
     wall = time.time() - t0
     if p.returncode:
