@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import prepare_data
-from common import compile_regions, fail, load_model, pick_device, pick_dtype, read_settings
+from common import compile_regions, fail, load_model, pick_device, pick_dtype, read_settings, share_cores
 from early_exit import EarlyExit, ExitingModel, check_early_exit
 from kv_cache import KV_MODES
 from model import RecurrentLM
@@ -409,6 +409,9 @@ def main(argv=None):
     check_settings(c)
     torch.manual_seed(0)
     device = pick_device(c['device'], 0)
+    note = share_cores(device)  # torch's threads on the cores other work leaves free
+    if note:
+        print(note, file=sys.stderr)
     dtype = pick_dtype(c['dtype'], 'cuda' if device.startswith('cuda') else device)
     try:
         models = bench_trained(c, device, dtype) if c['out_dir'] else bench_scale(c, device, dtype)

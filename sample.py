@@ -15,7 +15,7 @@ import sys
 import torch
 
 import prepare_data
-from common import autocast_context, fail, load_model, pick_device, pick_dtype, read_settings
+from common import autocast_context, fail, load_model, pick_device, pick_dtype, read_settings, share_cores
 from early_exit import EarlyExit, ExitingModel, check_early_exit
 from model import RecurrentLM
 
@@ -113,6 +113,9 @@ class StreamDecoder:
 def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     device = pick_device(c['device'], 0)
+    note = share_cores(device)  # torch's threads on the cores other work leaves free
+    if note:
+        print(note, file=sys.stderr)
     device_type = 'cuda' if device.startswith('cuda') else device
     if c['dtype'] != 'auto':  # a wrong dtype stops (a slow one warns) before any download
         pick_dtype(c['dtype'], device_type)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import prepare_data
 from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup, fail,
+                    share_cores,
                     measure_cpu_peak, peak_flops_for, pick_device, pick_dtype, read_checkpoint, read_settings,
                     rng_key)
 from model import GPT
@@ -91,6 +92,9 @@ def train(c):
     master = rank == 0
     device = pick_device(c['device'], local_rank)
     device_type = device.split(':')[0]
+    note = '' if ddp else share_cores(device)  # under DDP torchrun sets OMP_NUM_THREADS=1 and ranks share
+    if note:
+        print(note)
     if ddp:
         if device_type == 'cuda':
             torch.cuda.set_device(device)
@@ -283,6 +287,9 @@ def train(c):
                 r = None if not depths else depths[0] if len(depths) == 1 else sum(depths) / len(depths)
                 record = dict(iter=iter_num, loss=lossf, lr=lr, r=r, tokens=tokens, time_s=round(
                     time_before + time.time() - started, 3), mfu=None if mfu is None else round(mfu, 5))
+                note = '' if ddp else share_cores(device)  # follows a job that starts or ends mid-run
+                if note:
+                    tqdm.write(note)
                 bar.set_postfix(dict(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}",
                                      **({} if mfu is None else {'mfu': f"{100 * mfu:.1f}%"})), refresh=False)
                 if evaluating:

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from bench import VAL_WINDOW_LEN, human, synchronizer, teacher_forced_decode, val_windows
-from common import fail, load_model, pick_device, pick_dtype, read_settings
+from common import fail, load_model, pick_device, pick_dtype, read_settings, share_cores
 from early_exit import EarlyExit, check_early_exit, probe_flops
 
 DEFAULTS = dict(
@@ -181,6 +181,9 @@ def main(argv=None):
     if not c['out_dir']:
         fail("the exit sweep measures a trained model: pass --out_dir=<a recurrent model's training directory>")
     device = pick_device(c['device'], 0)
+    note = share_cores(device)  # torch's threads on the cores other work leaves free
+    if note:
+        print(note, file=sys.stderr)
     dtype = pick_dtype(c['dtype'], 'cuda' if device.startswith('cuda') else device)
     result = sweep(c, device, dtype)
     print_sweep(result)

@@ -25,6 +25,7 @@ tokens per recursion and is not traced.
 import json
 import os
 import statistics
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import prepare_data
-from common import Batches, fail, load_model, read_settings, rng_key
+from common import Batches, fail, load_model, read_settings, rng_key, share_cores
 from model import GRT, RecurrentLM
 from registry import build_model, model_type_of
 
@@ -221,6 +222,9 @@ def fresh_model(checkpoint):
 
 
 def analyze(c):
+    note = share_cores(c['device'])  # torch's threads on the cores other work leaves free
+    if note:
+        print(note, file=sys.stderr)
     model, checkpoint = load_model('resume', c['out_dir'], c['device'], c['ckpt'])
     if not isinstance(model, RecurrentLM) or model_type_of(model) == 'mor':
         fail(f"analyze.py traces a recurrent model's steps; {c['out_dir']} holds a {model_type_of(model)!r} "

@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 import prepare_data
-from common import Batches, fail, load_model, read_settings, rng_key
+from common import Batches, fail, load_model, read_checkpoint, read_settings, rng_key
 from registry import build_model, from_checkpoint
 
 DEFAULTS = dict(
@@ -231,7 +231,7 @@ def depth_losses(c, runs_dir, seed):
     if os.path.isfile(path):
         with open(path) as f:
             return {int(k): v for k, v in json.load(f).items()}
-    ckpt = torch.load(os.path.join(os.path.dirname(path), 'best.pt'), map_location='cpu', weights_only=False)
+    ckpt = read_checkpoint(os.path.join(os.path.dirname(path), 'best.pt'))
     model = from_checkpoint(ckpt).eval()
     val = [prepare_data.read_tokens(p) for p in prepare_data.token_files(os.path.join(c['data_dir'], 'shakespeare_char'), 'val')]
     batches = Batches(val, SEQ_LEN, ckpt['config']['batch_size'], 'cpu')
