@@ -300,7 +300,7 @@ class RecurrentLM(LanguageModel):
         super()._finish_init(residual_depth=self.num_block_passes(self.config.n_recur))
 
     def body(self, x, num_steps=None, kv_cache=None):
-        r = self.resolve_steps(num_steps)  # training: r ~ Uniform{1..R}; eval: R
+        r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
         caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
         check(len(caches) == self.num_block_passes(r),
               f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
