@@ -102,7 +102,7 @@ def share_cores(device):
     """On a CPU, torch's threads by cpu_threads from how many cores other work keeps busy: at the first
     call (start-up) over 0.2 s of /proc/stat (the 1-minute load average where there is none), at every
     later one over the time since the call before, so a script that calls it now and then (train.py: at
-    every log line) follows a job that starts or ends beside it. OMP_NUM_THREADS, where set, decides
+    every log line, which it does not: see docs/training.md) follows a job that starts or ends beside it. OMP_NUM_THREADS, where set, decides
     instead. Returns a line when the threads change, or at start-up when other work takes half a core
     or more; '' otherwise."""
     if device != 'cpu':

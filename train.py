@@ -287,9 +287,6 @@ def train(c):
                 r = None if not depths else depths[0] if len(depths) == 1 else sum(depths) / len(depths)
                 record = dict(iter=iter_num, loss=lossf, lr=lr, r=r, tokens=tokens, time_s=round(
                     time_before + time.time() - started, 3), mfu=None if mfu is None else round(mfu, 5))
-                note = '' if ddp else share_cores(device)  # follows a job that starts or ends mid-run
-                if note:
-                    tqdm.write(note)
                 bar.set_postfix(dict(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}",
                                      **({} if mfu is None else {'mfu': f"{100 * mfu:.1f}%"})), refresh=False)
                 if evaluating:
