@@ -95,35 +95,28 @@ def cpu_threads(busy, cores, threads):
     return max(1, min(threads, round(cores - busy)))
 
 
-_shared = {}  # share_cores' state: 'since' (the cpu_times() of its last call), 'threads' (torch's default)
-
-
 def share_cores(device):
-    """On a CPU, torch's threads by cpu_threads from how many cores other work keeps busy: at the first
-    call (start-up) over 0.2 s of /proc/stat (the 1-minute load average where there is none), at every
-    later one over the time since the call before, so a script that calls it now and then (train.py: at
-    every log line, which it does not: see docs/training.md) follows a job that starts or ends beside it. OMP_NUM_THREADS, where set, decides
-    instead. Returns a line when the threads change, or at start-up when other work takes half a core
-    or more; '' otherwise."""
+    """At start-up on a CPU, torch's threads by cpu_threads from how many cores other work keeps busy
+    over 0.2 s of /proc/stat (the 1-minute load average where there is none). OMP_NUM_THREADS, where
+    set, decides instead. Called once: shorter windows during a run misread an idle machine
+    (docs/training.md#sharing-the-cores). Returns a line when other work takes half a core or more."""
     if device != 'cpu':
         return ''
-    first = not _shared
-    if first:
-        _shared.update(since=cpu_times(), threads=torch.get_num_threads())
-        time.sleep(0.2)
-    busy, _shared['since'] = others_busy(_shared['since']), cpu_times()
+    since = cpu_times()
+    time.sleep(0.2)
+    busy = others_busy(since)
     if busy is None:
         busy = os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
-    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    cores = os.cpu_count() or 1
     if 'OMP_NUM_THREADS' in os.environ:
         how = 'as OMP_NUM_THREADS says'
     else:
         how = 'one per core it leaves free'
-        torch.set_num_threads(cpu_threads(busy, cores, _shared['threads']))
-    if torch.get_num_threads() != before or first and busy >= 0.5:
-        return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
-                f"{torch.get_num_threads()} thread(s) ({how})")
-    return ''
+        torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
+    if busy < 0.5:
+        return ''
+    return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
+            f"{torch.get_num_threads()} thread(s) ({how})")
 
 
 @functools.cache

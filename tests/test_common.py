@@ -77,7 +77,9 @@ def test_other_unreadable_files_are_one_line(tmp_path, content):
 def test_scripts_say_one_line_for_a_truncated_checkpoint(half_dir, script):
     code, err = run_script(*script, f'--out_dir={half_dir}', '--ckpt=half.pt', '--device=cpu')
     assert code == 1
-    assert err.strip().splitlines() == [err.strip()] and 'Traceback' not in err, err
+    # a busy machine adds share_cores' note line before the error
+    err = '\n'.join(line for line in err.strip().splitlines() if not line.startswith('note: other work'))
+    assert err.splitlines() == [err] and 'Traceback' not in err, err
     assert err.startswith(f"error: {os.path.join(half_dir, 'half.pt')} is truncated or corrupt"), err
 
 
@@ -226,13 +228,11 @@ def test_cpu_threads_are_the_free_cores(busy, cores, default, threads):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """torch on 2 threads of a 2-core machine, OMP_NUM_THREADS unset, share_cores not yet called;
-    restored afterwards."""
+    """torch on 2 threads of a 2-core machine, OMP_NUM_THREADS unset; restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(os, 'cpu_count', lambda: 2)
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
-    monkeypatch.setattr(common, '_shared', {})
     yield
     torch.set_num_threads(threads)
 
@@ -241,42 +241,32 @@ def busy_cores(monkeypatch, busy):
     monkeypatch.setattr(common, 'others_busy', lambda since: busy)
 
 
-def test_share_cores_follows_other_work_and_says_so(two_threads, monkeypatch):
+def test_share_cores_gives_torch_the_free_cores_and_says_so(two_threads, monkeypatch):
     busy_cores(monkeypatch, 1.04)  # a job on one core at start-up
     assert common.share_cores('cpu') == ("note: other work keeps 1.0 of 2 cores busy, so torch runs 1 thread(s) "
                                          "(one per core it leaves free)")
     assert torch.get_num_threads() == 1
-    assert common.share_cores('cpu') == '' and torch.get_num_threads() == 1  # no change, no line
-    busy_cores(monkeypatch, 0.1)  # the job ended
-    assert common.share_cores('cpu') == ("note: other work keeps 0.1 of 2 cores busy, so torch runs 2 thread(s) "
-                                         "(one per core it leaves free)")
-    assert torch.get_num_threads() == 2
-    busy_cores(monkeypatch, 0.9)  # a job started mid-run
-    assert 'runs 1 thread(s)' in common.share_cores('cpu') and torch.get_num_threads() == 1
+    torch.set_num_threads(2)
     assert common.share_cores('cuda:0') == '' and common.share_cores('mps') == ''
+    assert torch.get_num_threads() == 2
 
 
 def test_share_cores_leaves_a_quiet_machine_and_omp_num_threads_alone(two_threads, monkeypatch):
     busy_cores(monkeypatch, 0.3)
     assert common.share_cores('cpu') == '' and torch.get_num_threads() == 2
-    monkeypatch.setattr(common, '_shared', {})
     busy_cores(monkeypatch, 1.5)
     monkeypatch.setenv('OMP_NUM_THREADS', '2')
     assert common.share_cores('cpu') == ("note: other work keeps 1.5 of 2 cores busy, so torch runs 2 thread(s) "
                                          "(as OMP_NUM_THREADS says)")
     assert torch.get_num_threads() == 2
-    assert common.share_cores('cpu') == ''  # said once
 
 
 @linux_only
 def test_share_cores_reads_the_machine(two_threads):
-    """Unmocked: it sleeps 0.2 s at start-up only, and picks the threads for what it read."""
+    """Unmocked: it reads 0.2 s of /proc/stat and picks the threads for what it read."""
     t0 = time.monotonic()
     common.share_cores('cpu')
     assert 0.2 <= time.monotonic() - t0 < 2
-    t0 = time.monotonic()
-    common.share_cores('cpu')
-    assert time.monotonic() - t0 < 0.1
     assert torch.get_num_threads() in (1, 2)
 
 
