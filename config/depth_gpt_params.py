@@ -1,4 +1,4 @@
-# A dense GPT with the depth GRT's non-embedding parameters: 3 layers, 0.60M (the GRT 0.68M; 4 layers 0.79M).
+# A dense GPT with the depth GRT's non-embedding parameters: 3 layers, 0.150M (the GRT 0.171M; 4 layers 0.200M).
 from config.depth_recipe import *
 
 out_dir = 'out-depth-gpt-params'

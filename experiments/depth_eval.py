@@ -18,8 +18,9 @@ import os
 import torch
 
 from common import fail, load_model, pick_device, read_settings, rng_key
+from experiments.analyze import trace
 from experiments.depth_tasks import TaskBatches, make_task
-from model import RecurrentLM
+from model import GRT, RecurrentLM
 from registry import model_type_of
 
 DEFAULTS = dict(
@@ -52,6 +53,18 @@ def accuracy_table(model, task, difficulties, steps, examples, device):
             logits, _ = model(x, y, num_steps=r)  # with targets: logits at every position
             table[d][r] = (logits.argmax(-1) == y)[scored].float().mean().item()
     return table, answers
+
+
+@torch.no_grad()
+def mean_gates(model, task, d, steps, examples, device):
+    """A GRT's mean gate g (Eq. 5) at each step 1..steps on the eval set of difficulty d; None for
+    other models. Near 1 the step keeps the state: the recurrence is switched off."""
+    if not isinstance(model, GRT):
+        return None
+    x, _, _ = eval_set(task, d, examples, device)
+    with trace(model) as record:
+        model(x, num_steps=steps)
+    return [round(g.mean().item(), 4) for g in record['gates']]
 
 
 def table_lines(table, answers, trained):
@@ -115,12 +128,13 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
     D = trained['difficulty']
     difficulties = list(range(1, (max_difficulty or 3 * D) + 1))
     recurrent = isinstance(model, RecurrentLM)
-    table, answers = accuracy_table(model, task, difficulties, parse_steps(steps) if recurrent else [None],
-                                    examples, device)
+    steps = parse_steps(steps) if recurrent else [None]
+    table, answers = accuracy_table(model, task, difficulties, steps, examples, device)
     return dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
                 trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,
                 steps=list(table[1]), difficulties=difficulties, answers=[answers[d] for d in difficulties],
-                accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties])
+                accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties],
+                gate=mean_gates(model, task, D, max(steps) if recurrent else 0, examples, device))
 
 
 def as_table(record):
@@ -139,6 +153,8 @@ def main(argv=None):
           f"{f' with R = {R}' if R else ''}: accuracy at the answers that need exactly d steps "
           f"(chance {record['chance']:.3f}), {c['examples']} sequences a difficulty")
     print('\n'.join(table_lines(as_table(record), dict(zip(record['difficulties'], record['answers'])), D)))
+    if record['gate']:
+        print(f"mean gate g at steps 1..{len(record['gate'])} (difficulty {D}): {' '.join(f'{g:.3f}' for g in record['gate'])}")
     lines = {('own depth' if r is None else f'R = {r}'): [row[i] for row in record['accuracy']]
              for i, r in enumerate(record['steps'])}
     path = plot_lines(os.path.join(c['out_dir'], 'depth_eval.png'), f"{record['task']}: {record['model_type']}",

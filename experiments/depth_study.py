@@ -1,12 +1,14 @@
 """
 Does test-time depth solve harder problems? Issue 19's comparison, with one resumable command:
 
-    python -m experiments.depth_study                                   # both tasks, the four models, one seed
+    python -m experiments.depth_study                                   # S3 running products, five models, one seed
+    python -m experiments.depth_study --tasks=compose,pointer,sum --jobs=2
     python -m experiments.depth_study --tasks=pointer --max_iters=5 --examples=8 --out_dir=/tmp/depth-dry
 
-Four models, each trained on a depth task's difficulties 1..D and evaluated on 1..3D at several
+Five models, each trained on a depth task's difficulties 1..D and evaluated on 1..3D at several
 test-time R (experiments/depth_eval.py):
-  grt         the GRT, 1 + 1x8 + 1 (config/depth_grt.py)
+  grt         the GRT as the paper trains it, 1 + 1x8 + 1, r ~ U{1..8} (config/depth_grt.py)
+  grt_fixed   the GRT at a fixed r = R = 5, gate bias 0 (config/depth_grt_fixed.py)
   gpt_params  a dense GPT with the GRT's non-embedding parameters, 3 layers (config/depth_gpt_params.py)
   gpt_flops   a dense GPT with the GRT's training FLOPs a token, 8 layers (config/depth_gpt_flops.py)
   huginn      Huginn at the GRT's layout and about its training FLOPs (config/depth_huginn.py)
@@ -37,8 +39,8 @@ from registry import build_model
 
 DEFAULTS = dict(
     out_dir='results/depth',
-    tasks='pointer,sum',
-    models='grt,gpt_params,gpt_flops,huginn',
+    tasks='compose',
+    models='grt,grt_fixed,gpt_params,gpt_flops,huginn',
     seeds=1,
     max_iters=0,  # iterations of a run; 0 = the configs' (config/depth_recipe.py)
     difficulty=0,  # train on 1..D; 0 = the configs' D
@@ -46,7 +48,7 @@ DEFAULTS = dict(
     examples=128,  # eval sequences per difficulty
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
 )
-CONFIGS = {name: f'config/depth_{name}.py' for name in ('grt', 'gpt_params', 'gpt_flops', 'huginn')}
+CONFIGS = {name: f'config/depth_{name}.py' for name in ('grt', 'grt_fixed', 'gpt_params', 'gpt_flops', 'huginn')}
 
 
 def run_settings(model):
@@ -177,9 +179,13 @@ def plot_task(records, D, path):
 
 
 def runs_table(records):
-    lines = ['| model | seed | iterations | best val loss | training time (s) |', '|---|---|---|---|---|']
-    lines += [f"| {r['model']} | {r['seed']} | {r['iters']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} |"
-              for r in records]
+    """A row per run; a GRT's mean gate at its first step and at its trained R (difficulty D)."""
+    def gate(r):
+        return f"{r['gate'][0]:.3f} / {r['gate'][r['trained_R'] - 1]:.3f}" if r.get('gate') else ''
+    lines = ['| model | seed | iterations | best val loss | training time (s) | gate at step 1 / R |',
+             '|---|---|---|---|---|---|']
+    lines += [f"| {r['model']} | {r['seed']} | {r['iters']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
+              f"{gate(r)} |" for r in records]
     return lines
 
 

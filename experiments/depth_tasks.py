@@ -12,7 +12,7 @@ Each task's solve() works an answer out from the tokens alone, one step at a tim
 the tests check the generator's answers and step counts against it.
 """
 
-from itertools import accumulate
+from itertools import accumulate, permutations
 
 import torch
 
@@ -79,6 +79,9 @@ class RunningSum:
         self.vocab_size, self.chance = m + 1, 1 / m
         self.max_difficulty = block_size - 1
 
+    def combine(self, total, operand):
+        return (total + operand) % self.m
+
     def example(self, gen, lo, hi):
         operands = torch.randint(self.m, (self.block_size,), generator=gen).tolist()
         lengths = torch.randint(lo, hi + 1, (self.block_size,), generator=gen).tolist()
@@ -88,24 +91,43 @@ class RunningSum:
                 break
             run = operands[len(tokens) + 1: len(tokens) + 1 + length]
             tokens += [self.reset] + run
-            answers += [-1] + [total % self.m for total in accumulate(run)]
+            answers += [-1] + list(accumulate(run, self.combine))
             steps += range(len(run) + 1)
         return tokens[:self.block_size], answers[:self.block_size], steps[:self.block_size]
 
     def solve(self, tokens):
-        """(answers, steps): add the operands one at a time from the last reset."""
+        """(answers, steps): combine the operands one at a time from the last reset."""
         answers, steps = [-1] * len(tokens), [0] * len(tokens)
-        total, added = 0, 0
+        total, combined = None, 0
         for i, token in enumerate(tokens):
             if token == self.reset:
-                total, added = 0, 0
+                total, combined = None, 0
             else:
-                total, added = (total + token) % self.m, added + 1
-                answers[i], steps[i] = total, added
+                total = token if total is None else self.combine(total, token)
+                combined += 1
+                answers[i], steps[i] = total, combined
         return answers, steps
 
 
-TASKS = {'pointer': Pointer, 'sum': RunningSum}
+class Compose(RunningSum):
+    """Running products of permutations of 3 items (the group S3), laid out as RunningSum: the answer
+    at the j-th operand after a reset is the permutation that applying those j in turn makes, which
+    needs j compositions. Unlike a sum, it depends on the operands' order, so no average over the run
+    gives it: state tracking, which a fixed-depth transformer cannot do for every length (Liu et al.
+    2023, Merrill et al. 2024). Tokens 0 .. 5 are the permutations; chance is 1/6."""
+
+    PERMUTATIONS = list(permutations(range(3)))
+
+    def __init__(self, block_size):
+        super().__init__(block_size, m=len(self.PERMUTATIONS))
+
+    def combine(self, total, operand):
+        """The permutation `total`, then `operand`: item i goes to operand[total[i]]."""
+        first, then = self.PERMUTATIONS[total], self.PERMUTATIONS[operand]
+        return self.PERMUTATIONS.index(tuple(then[first[i]] for i in range(3)))
+
+
+TASKS = {'pointer': Pointer, 'sum': RunningSum, 'compose': Compose}
 
 
 def make_task(name, block_size):

@@ -79,6 +79,22 @@ def test_pointer_answers_never_come_back_to_the_query():
             assert step == 0 or answer != query
 
 
+def test_compose_answers_are_the_permutations_applied_in_turn():
+    """Each answer, as a permutation matrix, is the product of the run's operands' matrices so far,
+    the latest on the left; and the group is not commutative, so the operands' order matters."""
+    task, drawn = examples('compose', 1, 6)
+    matrix = [torch.eye(3)[list(p)].T for p in task.PERMUTATIONS]  # column i: where item i goes
+    for tokens, answers, _ in drawn:
+        product = None
+        for token, answer in zip(tokens, answers):
+            if token == task.reset:
+                product = torch.eye(3)
+            else:
+                product = matrix[token] @ product
+                assert torch.equal(product, matrix[answer])
+    assert any(task.combine(a, b) != task.combine(b, a) for a in range(6) for b in range(6))
+
+
 @pytest.mark.parametrize('name', TASKS)
 @pytest.mark.parametrize('model_type', ['gpt', 'grt'])
 def test_the_loss_reads_only_the_answers(name, model_type):
@@ -156,8 +172,21 @@ def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
     assert record['trained_difficulty'] == 2 and record['trained_R'] == 3 and record['model_type'] == 'grt'
     table, _ = depth_eval.accuracy_table(model, task, record['difficulties'], [1, 4], 2, 'cpu')
     assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 4)] for d in record['difficulties']]
+    assert len(record['gate']) == 4 and any(line.startswith('mean gate g at steps 1..4') for line in lines)
     assert any('beyond training (d > 2)' in line for line in lines)
     assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
+
+
+def test_the_gate_is_read_at_every_step():
+    """f_g with zero weights gives g = sigmoid(bias) exactly, at each of the R steps run."""
+    task = make_task('compose', BLOCK)
+    model = tiny('grt', task.vocab_size)
+    assert depth_eval.mean_gates(tiny('gpt', task.vocab_size), task, 2, 4, 2, 'cpu') is None
+    with torch.no_grad():
+        model.gate_out.weight.zero_()
+        model.gate_out.bias.fill_(-1.0)
+    gates = depth_eval.mean_gates(model, task, 2, 5, 2, 'cpu')
+    assert gates == [round(torch.sigmoid(torch.tensor(-1.0)).item(), 4)] * 5
 
 
 def test_the_command_refuses_a_language_checkpoint(tmp_path):
