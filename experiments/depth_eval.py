@@ -7,7 +7,8 @@ recurrence steps R:
 
 For each difficulty d = 1 .. max_difficulty (default 3D, the model trained on 1..D) a fixed eval set
 of `examples` sequences, every query needing exactly d steps, the same for every model; the accuracy of
-the argmax prediction at the answers that need d steps, at each R of --steps (model(x, num_steps=R)).
+the argmax prediction at the answers that need d steps, at each R of --steps and the trained R
+(model(x, num_steps=R)).
 A dense model has no R: one column. Prints the table, writes <out_dir>/depth_eval.png (accuracy
 against difficulty, a line per R) when matplotlib is installed, and prints a JSON line last.
 """
@@ -128,7 +129,7 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
     D = trained['difficulty']
     difficulties = list(range(1, (max_difficulty or 3 * D) + 1))
     recurrent = isinstance(model, RecurrentLM)
-    steps = parse_steps(steps) if recurrent else [None]
+    steps = sorted(set(parse_steps(steps)) | {model.config.n_recur}) if recurrent else [None]  # and the trained R
     table, answers = accuracy_table(model, task, difficulties, steps, examples, device)
     return dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
                 trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,

@@ -168,10 +168,10 @@ def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
     depth_eval.main([f'--out_dir={out}', '--steps=1,4', '--examples=2', '--device=cpu'])
     lines = capsys.readouterr().out.strip().splitlines()
     record = json.loads(lines[-1])
-    assert record['difficulties'] == [1, 2, 3, 4, 5, 6] and record['steps'] == [1, 4]
+    assert record['difficulties'] == [1, 2, 3, 4, 5, 6] and record['steps'] == [1, 3, 4]  # and the trained R = 3
     assert record['trained_difficulty'] == 2 and record['trained_R'] == 3 and record['model_type'] == 'grt'
-    table, _ = depth_eval.accuracy_table(model, task, record['difficulties'], [1, 4], 2, 'cpu')
-    assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 4)] for d in record['difficulties']]
+    table, _ = depth_eval.accuracy_table(model, task, record['difficulties'], [1, 3, 4], 2, 'cpu')
+    assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 3, 4)] for d in record['difficulties']]
     assert len(record['gate']) == 4 and any(line.startswith('mean gate g at steps 1..4') for line in lines)
     assert any('beyond training (d > 2)' in line for line in lines)
     assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
