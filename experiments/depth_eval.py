@@ -158,7 +158,7 @@ def main(argv=None):
         print(f"mean gate g at steps 1..{len(record['gate'])} (difficulty {D}): {' '.join(f'{g:.3f}' for g in record['gate'])}")
     lines = {('own depth' if r is None else f'R = {r}'): [row[i] for row in record['accuracy']]
              for i, r in enumerate(record['steps'])}
-    path = plot_lines(os.path.join(c['out_dir'], 'depth_eval.png'), f"{record['task']}: {record['model_type']}",
+    path = plot_lines(os.path.join(c['out_dir'], 'depth_eval.png'), f"{record['task']}: {record['model_type']}{f', trained at R = {R}' if R else ''}",
                       record['difficulties'], lines, record['chance'], D)
     if path:
         print(f"wrote {path}")

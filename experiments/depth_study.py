@@ -132,7 +132,9 @@ def mean_rows(records):
     for r in records:
         for j, steps in enumerate(r['steps']):
             rows.setdefault((r['model'], steps), []).append([acc[j] for acc in r['accuracy']])
-    return {key: [statistics.fmean(col) for col in zip(*seeds)] for key, seeds in rows.items()}
+    models = list(dict.fromkeys(r['model'] for r in records))
+    order = sorted(rows, key=lambda key: (models.index(key[0]), key[1] or 0))  # by model, then R ascending
+    return {key: [statistics.fmean(col) for col in zip(*rows[key])] for key in order}
 
 
 def accuracy_table(records, D):
