@@ -1,5 +1,5 @@
 # Ablation ladder rung 4, + prelude re-injection: h = Core(W_proj [h + eps_x ; e]), r ~ Uniform{1..6} in
-# training (6 at eval). Rung 5 is the full GRT: config/shakespeare_char_grt.py.
+# training (6 at eval). Rung 5 is the full GRT (experiments/study.py's grt).
 # FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
 from config.recipe_shakespeare_char import *
 
