@@ -155,11 +155,13 @@ def main(argv=None):
           f"(chance {record['chance']:.3f}), {c['examples']} sequences a difficulty")
     print('\n'.join(table_lines(as_table(record), dict(zip(record['difficulties'], record['answers'])), D)))
     if record['gate']:
-        print(f"mean gate g at steps 1..{len(record['gate'])} (difficulty {D}): {' '.join(f'{g:.3f}' for g in record['gate'])}")
+        gates = ' '.join(f'{g:.3f}' for g in record['gate'])
+        print(f"mean gate g at steps 1..{len(record['gate'])} (difficulty {D}): {gates}")
     lines = {('own depth' if r is None else f'R = {r}'): [row[i] for row in record['accuracy']]
              for i, r in enumerate(record['steps'])}
-    path = plot_lines(os.path.join(c['out_dir'], 'depth_eval.png'), f"{record['task']}: {record['model_type']}{f', trained at R = {R}' if R else ''}",
-                      record['difficulties'], lines, record['chance'], D)
+    title = f"{record['task']}: {record['model_type']}" + (f", trained at R = {R}" if R else '')
+    path = plot_lines(os.path.join(c['out_dir'], 'depth_eval.png'), title, record['difficulties'], lines,
+                      record['chance'], D)
     if path:
         print(f"wrote {path}")
     print(json.dumps(record))
