@@ -97,10 +97,11 @@ def cpu_threads(busy, cores, threads):
 
 def share_cores(device):
     """At start-up on a CPU, torch's threads by cpu_threads from how many cores other work keeps busy
-    over 0.2 s of /proc/stat (the 1-minute load average where there is none). OMP_NUM_THREADS, where
-    set, decides instead. Called once: shorter windows during a run misread an idle machine
-    (docs/training.md#sharing-the-cores). Returns a line when other work takes half a core or more."""
-    if device != 'cpu':
+    over 0.2 s of /proc/stat (the 1-minute load average where there is none); OMP_NUM_THREADS, where
+    set, decides instead and this does nothing. Called once: shorter windows during a run misread an
+    idle machine (docs/training.md#sharing-the-cores). Returns a line when other work takes half a core
+    or more; '' otherwise."""
+    if device != 'cpu' or 'OMP_NUM_THREADS' in os.environ:
         return ''
     since = cpu_times()
     time.sleep(0.2)
@@ -108,15 +109,11 @@ def share_cores(device):
     if busy is None:
         busy = os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
     cores = os.cpu_count() or 1
-    if 'OMP_NUM_THREADS' in os.environ:
-        how = 'as OMP_NUM_THREADS says'
-    else:
-        how = 'one per core it leaves free'
-        torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
+    torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
     if busy < 0.5:
         return ''
     return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
-            f"{torch.get_num_threads()} thread(s) ({how})")
+            f"{torch.get_num_threads()} thread(s), one per core it leaves free")
 
 
 @functools.cache

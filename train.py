@@ -92,7 +92,7 @@ def train(c):
     master = rank == 0
     device = pick_device(c['device'], local_rank)
     device_type = device.split(':')[0]
-    note = '' if ddp else share_cores(device)  # under DDP torchrun sets OMP_NUM_THREADS=1 and ranks share
+    note = share_cores(device)  # torch's threads on the free cores; under torchrun OMP_NUM_THREADS=1 decides
     if note:
         print(note)
     if ddp:

@@ -129,13 +129,13 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
     D = trained['difficulty']
     difficulties = list(range(1, (max_difficulty or 3 * D) + 1))
     recurrent = isinstance(model, RecurrentLM)
-    steps = sorted(set(parse_steps(steps)) | {model.config.n_recur}) if recurrent else [None]  # and the trained R
-    table, answers = accuracy_table(model, task, difficulties, steps, examples, device)
+    depths = sorted(set(parse_steps(steps)) | {model.config.n_recur}) if recurrent else [None]  # and the trained R
+    table, answers = accuracy_table(model, task, difficulties, depths, examples, device)
     return dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
                 trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,
                 steps=list(table[1]), difficulties=difficulties, answers=[answers[d] for d in difficulties],
                 accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties],
-                gate=mean_gates(model, task, D, max(steps) if recurrent else 0, examples, device))
+                gate=mean_gates(model, task, D, max(depths) if recurrent else None, examples, device))
 
 
 def as_table(record):

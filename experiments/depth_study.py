@@ -17,7 +17,8 @@ Each run is `python train.py config/depth_<model>.py --dataset=task:<task> --see
 <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt, best.pt). A run with depth.json (its evaluation
 of best.pt) is done and never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C
 and rerun loses at most one evaluation interval. At the end it writes <out_dir>/RESULTS.md (the
-models, then per task accuracy by model and R against difficulty) and <out_dir>/<task>.png.
+models, then per task the runs with a GRT's mean gate, and accuracy by model and R against difficulty)
+and <out_dir>/<task>.png.
 """
 
 import json

@@ -98,13 +98,12 @@ class RunningSum:
     def solve(self, tokens):
         """(answers, steps): combine the operands one at a time from the last reset."""
         answers, steps = [-1] * len(tokens), [0] * len(tokens)
-        total, combined = None, 0
+        total, combined = 0, 0  # token 0 is the identity: 0 mod m, and compose's unchanged order
         for i, token in enumerate(tokens):
             if token == self.reset:
-                total, combined = None, 0
+                total, combined = 0, 0
             else:
-                total = token if total is None else self.combine(total, token)
-                combined += 1
+                total, combined = self.combine(total, token), combined + 1
                 answers[i], steps[i] = total, combined
         return answers, steps
 
@@ -113,8 +112,9 @@ class Compose(RunningSum):
     """Running products of permutations of 3 items (the group S3), laid out as RunningSum: the answer
     at the j-th operand after a reset is the permutation that applying those j in turn makes, which
     needs j compositions. Unlike a sum, it depends on the operands' order, so no average over the run
-    gives it: state tracking, which a fixed-depth transformer cannot do for every length (Liu et al.
-    2023, Merrill et al. 2024). Tokens 0 .. 5 are the permutations; chance is 1/6."""
+    gives it: state tracking. S3 is the smallest group where order matters; being solvable, it still
+    admits constant-depth shortcuts (Liu et al. 2023), which S5 would not (Merrill et al. 2024).
+    Tokens 0 .. 5 are the permutations, 0 the identity; chance is 1/6."""
 
     PERMUTATIONS = list(permutations(range(3)))
 
@@ -134,7 +134,7 @@ def make_task(name, block_size):
     """The task called name (a 'task:' prefix is dropped) for sequences of block_size tokens."""
     name = name.removeprefix('task:')
     if name not in TASKS:
-        fail(f"unknown depth task {name!r}; known: {', '.join(TASKS)} (e.g. --dataset=task:pointer)")
+        fail(f"unknown depth task {name!r}; known: {', '.join(TASKS)} (e.g. --dataset=task:compose)")
     return TASKS[name](block_size)
 
 

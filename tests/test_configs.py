@@ -244,10 +244,15 @@ def test_isoparam_model_matches_dense_unique_blocks():
     assert deep.num_block_passes(deep.config.n_recur) > dense.config.n_layer  # deeper at the same blocks
 
 
-@pytest.mark.parametrize('name', [m for m in study.MODELS if m not in ('grt_deep', 'grt')])
+@pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
 def test_study_models_are_the_shakespeare_char_configs(name):
-    """study.py's models have the layouts of config/shakespeare_char_<name>.py, at the recipe's width.
-    Not grt: the study's is the paper's (1 + 1x5 + 1, r ~ U{1..5}), the quick start's trains at r = 3."""
+    """study.py's models have the layouts of config/shakespeare_char_<name>.py, at the recipe's width;
+    but for grt's depth: the study's is the paper's 1 + 1x5 + 1 at r ~ U{1..5} (gate bias +4), the quick
+    start's 1 + 1x3 + 1 at a fixed r = 3 (bias 0), the same FLOPs."""
     c, recipe = read_config(f'config/shakespeare_char_{name}.py'), read_config(study.RECIPE)
+    if name == 'grt':
+        assert (c['n_recur'], c['train_depth'], c['gate_bias']) == (3, 'fixed', 0.0)
+        c = dict(c, n_recur=5)
+        assert 'train_depth' not in study.MODELS[name] and 'gate_bias' not in study.MODELS[name]
     assert {k: c[k] for k in study.MODELS[name]} == study.MODELS[name]
     assert (recipe['n_embd'], recipe['n_head'], recipe['block_size']) == (c['n_embd'], c['n_head'], study.SEQ_LEN)

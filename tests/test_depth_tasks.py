@@ -79,6 +79,17 @@ def test_pointer_answers_never_come_back_to_the_query():
             assert step == 0 or answer != query
 
 
+def test_sum_answers_are_the_sums_so_far_mod_m():
+    """Each answer is the sum of the run's operands so far, mod m, summed here from scratch."""
+    task, drawn = examples('sum', 1, 6)
+    for tokens, answers, _ in drawn:
+        starts = [i for i, t in enumerate(tokens) if t == task.reset]
+        for i, answer in enumerate(answers):
+            if answer >= 0:
+                start = max(s for s in starts if s < i)
+                assert answer == sum(tokens[start + 1:i + 1]) % task.m
+
+
 def test_compose_answers_are_the_permutations_applied_in_turn():
     """Each answer, as a permutation matrix, is the product of the run's operands' matrices so far,
     the latest on the left; and the group is not commutative, so the operands' order matters."""
@@ -177,16 +188,22 @@ def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
     assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
 
 
-def test_the_gate_is_read_at_every_step():
-    """f_g with zero weights gives g = sigmoid(bias) exactly, at each of the R steps run."""
+def test_the_gate_is_eq_5_at_every_step():
+    """The mean gate at step 1 equals Eq. 5 written out on the eval set (h = e at step 1, tau = 2), and
+    one is read at each of the R steps run."""
     task = make_task('compose', BLOCK)
-    model = tiny('grt', task.vocab_size)
     assert depth_eval.mean_gates(tiny('gpt', task.vocab_size), task, 2, 4, 2, 'cpu') is None
-    with torch.no_grad():
-        model.gate_out.weight.zero_()
-        model.gate_out.bias.fill_(-1.0)
+    torch.manual_seed(0)
+    model = scramble(build_model('grt', n_embd=32, n_head=2, block_size=BLOCK, vocab_size=task.vocab_size,
+                                 n_prelude=1, n_core=1, n_recur=3, n_coda=1, gate_tau=2.0)).eval()
     gates = depth_eval.mean_gates(model, task, 2, 5, 2, 'cpu')
-    assert gates == [round(torch.sigmoid(torch.tensor(-1.0)).item(), 4)] * 5
+    x, _, _ = depth_eval.eval_set(task, 2, 2, 'cpu')
+    with torch.no_grad():
+        e = model.transformer.prelude[0](model.transformer.wte(x) + model.transformer.wpe(torch.arange(BLOCK)))
+        both = torch.cat([model.ln_h(e), model.ln_e(e)], dim=-1)
+        g1 = torch.sigmoid(model.gate_out(F.silu(model.gate_in(both))) / 2.0)
+    assert len(gates) == 5 and gates[0] == pytest.approx(g1.mean().item(), abs=1e-4)
+    assert len(set(gates)) > 1  # the later steps' gates differ: read from each step
 
 
 def test_the_command_refuses_a_language_checkpoint(tmp_path):
@@ -232,14 +249,17 @@ def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monk
     calls = []
     monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
     argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt,gpt_params', '--max_iters=5', '--difficulty=2',
-            '--steps=1,3', '--examples=2']
+            '--steps=4,1', '--examples=2']
     depth_study.main(argv)
     assert [(config, args['dataset'], args['difficulty'], args['max_iters'], args['init_from'])
             for config, args in calls] == [('config/depth_grt.py', 'task:sum', '2', '5', 'scratch'),
                                            ('config/depth_gpt_params.py', 'task:sum', '2', '5', 'scratch')]
     report = open(tmp_path / 'RESULTS.md').read()
-    for row in ('| grt | 1 |', '| grt | 3 |', '| gpt_params | dense |', '| grt | `config/depth_grt.py` | 1+1x8+1 |'):
-        assert row in report
+    rows = ['| grt | 1 |', '| grt | 3 |', '| grt | 4 |', '| gpt_params | dense |']  # the trained R = 3 added
+    assert sorted(rows, key=report.index) == rows  # by model, then R ascending
+    assert '| grt | `config/depth_grt.py` | 1+1x8+1 |' in report
+    gate = json.load(open(tmp_path / 'runs' / 'sum-D2-grt-5it-s0' / 'depth.json'))['gate']
+    assert f"| grt | 0 | 5 | 2.0000 | 2 | {gate[0]:.3f} / {gate[2]:.3f} |" in report  # the gate at step 1 and R
     assert '| d=6 | mean 1..2 | mean > 2 |' in report and os.path.getsize(tmp_path / 'sum.png') > 0
     depth_study.main(argv)  # everything done: nothing trains again
     assert len(calls) == 2
