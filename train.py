@@ -315,9 +315,10 @@ def train(c):
             elif master:
                 print(f"\ninterrupted at iteration {iter_num}: nothing saved")
             sys.exit(130)
-    bar.close()
-    if log:
-        log.close()
+        finally:  # on every way out: an open bar left for exit would print itself after the caller's output
+            bar.close()
+            if log:
+                log.close()
     if master and losses is not None:
         print(f"done: {iter_num} iterations, {tokens:,} tokens, {time_before + time.time() - started:.0f} s of "
               f"training; best val loss {best_val_loss:.4f} in {best_path}, the latest state in {ckpt_path}")
