@@ -409,9 +409,7 @@ def main(argv=None):
     check_settings(c)
     torch.manual_seed(0)
     device = pick_device(c['device'], 0)
-    note = share_cores(device)  # torch's threads on the cores other work leaves free
-    if note:
-        print(note, file=sys.stderr)
+    share_cores(device)  # torch's threads on the cores other work leaves free
     dtype = pick_dtype(c['dtype'], 'cuda' if device.startswith('cuda') else device)
     try:
         models = bench_trained(c, device, dtype) if c['out_dir'] else bench_scale(c, device, dtype)

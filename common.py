@@ -99,8 +99,8 @@ def share_cores(device):
     """At start-up on a CPU, torch's threads by cpu_threads from how many cores other work keeps busy
     over 0.2 s of /proc/stat (the 1-minute load average where there is none); OMP_NUM_THREADS, where
     set, decides instead and this does nothing. Called once: shorter windows during a run misread an
-    idle machine (docs/training.md#sharing-the-cores). Returns a line when other work takes half a core
-    or more; '' otherwise."""
+    idle machine (docs/training.md#sharing-the-cores). When other work takes half a core or more it
+    prints a line saying so to stderr, and returns it; '' otherwise."""
     if device != 'cpu' or 'OMP_NUM_THREADS' in os.environ:
         return ''
     since = cpu_times()
@@ -112,8 +112,10 @@ def share_cores(device):
     torch.set_num_threads(cpu_threads(busy, cores, torch.get_num_threads()))
     if busy < 0.5:
         return ''
-    return (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
+    note = (f"note: other work keeps {busy:.1f} of {cores} cores busy, so torch runs "
             f"{torch.get_num_threads()} thread(s), one per core it leaves free")
+    print(note, file=sys.stderr)
+    return note
 
 
 @functools.cache

@@ -113,9 +113,7 @@ class StreamDecoder:
 def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     device = pick_device(c['device'], 0)
-    note = share_cores(device)  # torch's threads on the cores other work leaves free
-    if note:
-        print(note, file=sys.stderr)
+    share_cores(device)  # torch's threads on the cores other work leaves free
     device_type = 'cuda' if device.startswith('cuda') else device
     if c['dtype'] != 'auto':  # a wrong dtype stops (a slow one warns) before any download
         pick_dtype(c['dtype'], device_type)

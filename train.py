@@ -29,9 +29,8 @@ from tqdm import tqdm
 
 import prepare_data
 from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup, fail,
-                    share_cores,
                     measure_cpu_peak, peak_flops_for, pick_device, pick_dtype, read_checkpoint, read_settings,
-                    rng_key)
+                    rng_key, share_cores)
 from model import GPT
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
@@ -92,9 +91,7 @@ def train(c):
     master = rank == 0
     device = pick_device(c['device'], local_rank)
     device_type = device.split(':')[0]
-    note = share_cores(device)  # torch's threads on the free cores; under torchrun OMP_NUM_THREADS=1 decides
-    if note:
-        print(note)
+    share_cores(device)  # torch's threads on the free cores; under torchrun OMP_NUM_THREADS=1 decides
     if ddp:
         if device_type == 'cuda':
             torch.cuda.set_device(device)

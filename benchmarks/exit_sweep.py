@@ -181,9 +181,7 @@ def main(argv=None):
     if not c['out_dir']:
         fail("the exit sweep measures a trained model: pass --out_dir=<a recurrent model's training directory>")
     device = pick_device(c['device'], 0)
-    note = share_cores(device)  # torch's threads on the cores other work leaves free
-    if note:
-        print(note, file=sys.stderr)
+    share_cores(device)  # torch's threads on the cores other work leaves free
     dtype = pick_dtype(c['dtype'], 'cuda' if device.startswith('cuda') else device)
     result = sweep(c, device, dtype)
     print_sweep(result)

@@ -25,7 +25,6 @@ tokens per recursion and is not traced.
 import json
 import os
 import statistics
-import sys
 from contextlib import contextmanager
 
 import torch
@@ -222,9 +221,7 @@ def fresh_model(checkpoint):
 
 
 def analyze(c):
-    note = share_cores(c['device'])  # torch's threads on the cores other work leaves free
-    if note:
-        print(note, file=sys.stderr)
+    share_cores(c['device'])  # torch's threads on the cores other work leaves free
     model, checkpoint = load_model('resume', c['out_dir'], c['device'], c['ckpt'])
     if not isinstance(model, RecurrentLM) or model_type_of(model) == 'mor':
         fail(f"analyze.py traces a recurrent model's steps; {c['out_dir']} holds a {model_type_of(model)!r} "

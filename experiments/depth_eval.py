@@ -133,7 +133,7 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
     table, answers = accuracy_table(model, task, difficulties, depths, examples, device)
     return dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
                 trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,
-                steps=list(table[1]), difficulties=difficulties, answers=[answers[d] for d in difficulties],
+                steps=depths, difficulties=difficulties, answers=[answers[d] for d in difficulties],
                 accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties],
                 gate=mean_gates(model, task, D, max(depths) if recurrent else None, examples, device))
 
