@@ -61,7 +61,7 @@ class RecurrentConfig(GPTConfig):
     # the training choices (issue 19, docs/depth.md); the defaults are the paper's
     train_depth: str = 'uniform'  # r in training: 'uniform' on 1..R, 'fixed' at R, 'heavy' (Huginn's, mean R + 1)
     backprop_depth: int = None  # k: gradients through only the last k steps (truncated backprop); None: all
-    init_state: str = 'e'  # h0: 'e', the prelude output, or 'random', N(0, 0.02^2) in training and 0 in eval
+    init_state: str = 'e'  # h0: 'e' (the prelude output) or 'random' (training: TruncNormal(0, 0.02^2); eval: 0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -266,9 +266,12 @@ class LanguageModel(nn.Module):
     def sample_depth(self, generator):
         return None  # the depth of a training micro-step (train.py's keyed generator): none for a dense model
 
+    def train_flops_per_token(self, seq_len, num_steps=None):
+        return 3 * self.flops_per_token(seq_len, num_steps)  # forward + backward (twice the forward)
+
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
-        """Model FLOPs utilisation: training FLOPs (3x forward) per second over peak_flops."""
-        return 3 * self.flops_per_token(seq_len, num_steps) * tokens_per_iter / dt / peak_flops
+        """Model FLOPs utilisation: training FLOPs per second over peak_flops."""
+        return self.train_flops_per_token(seq_len, num_steps) * tokens_per_iter / dt / peak_flops
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices (Linears and embeddings), none on biases and norms."""
@@ -312,9 +315,9 @@ class RecurrentLM(LanguageModel):
     def recur(self, h, e, r, caches):
         """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
         n, k = self.config.n_core, self.config.backprop_depth
-        no_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: only the last k steps
+        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: the last k steps
         for step in range(r):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= no_grad):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
                 h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
         return h
 
@@ -378,6 +381,15 @@ class RecurrentLM(LanguageModel):
     def step_flops(self):
         return 0  # FLOPs per token of one step beyond its core blocks
 
+    def train_flops_per_token(self, seq_len, num_steps=None):
+        """Forward and backward at depth r, less the backward of the r - k steps that truncated
+        backprop runs without gradients. num_steps: R if None; train.py passes an iteration's mean r."""
+        c, d = self.config, self.config.n_embd
+        r = c.n_recur if num_steps is None else num_steps
+        steps_without_grad = max(r - c.backprop_depth, 0) if c.backprop_depth else 0
+        step = c.n_core * (24 * d * d + 4 * seq_len * d) + self.step_flops()
+        return 3 * self.flops_per_token(seq_len, r) - 2 * steps_without_grad * step
+
 
 # -----------------------------------------------------------------------------
 # The Gated Recurrent Transformer
@@ -396,7 +408,7 @@ class GRT(RecurrentLM):
         self.gate_in = nn.Linear(2 * d, d, bias=config.bias)  # f_g of Eq. 5: gate_in -> SiLU -> gate_out
         self.gate_out = nn.Linear(d, d)
         self._finish_init()
-        nn.init.constant_(self.gate_out.bias, config.gate_bias)  # +4: g starts near 1, keeping h
+        nn.init.constant_(self.gate_out.bias, config.gate_bias)  # the paper's +4: g starts near 1, keeping h
 
     def recurrence_step(self, h, e, caches):
         c = self.config

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kv_cache import KVCache
-from model import RecurrentConfig, RecurrentLM, heavy_tailed_depths
+from model import RecurrentConfig, RecurrentLM
 
 # -----------------------------------------------------------------------------
 # The ablation ladder
@@ -152,24 +152,6 @@ class Huginn(RecurrentLM):
         """ln_f(h): iterate_forward returns transformer.ln_f(x), and the same ln_f is applied again
         after the coda ("used twice", recpre/raven_modeling_minimal.py)."""
         return self.transformer.ln_f(h)
-
-    def train_flops_per_token(self, seq_len, num_steps):
-        """Training FLOPs per token at depth r: forward (flops_per_token, the adapter included)
-        plus backward (2x forward) for everything except the r - k no-grad steps, which run forward only."""
-        c, d = self.config, self.config.n_embd
-        step = c.n_core * (24 * d * d + 4 * seq_len * d) + 4 * d * d  # core blocks + adapter
-        return 3 * self.flops_per_token(seq_len, num_steps) - 2 * max(num_steps - c.backprop_depth, 0) * step
-
-    def expected_train_flops_per_token(self, seq_len):
-        """Training FLOPs per token averaged over the depth distribution (for isoFLOP configs)."""
-        depths = heavy_tailed_depths(self.config.n_recur, 65536, torch.Generator().manual_seed(0)).tolist()
-        return sum(self.train_flops_per_token(seq_len, r) for r in depths) / len(depths)
-
-    def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
-        """As LanguageModel.estimate_mfu, but no-grad steps count forward only. num_steps is the
-        iteration's mean drawn depth; max(r - k, 0) at the mean slightly undercounts mixed depths."""
-        r = self.config.n_recur if num_steps is None else num_steps
-        return self.train_flops_per_token(seq_len, r) * tokens_per_iter / dt / peak_flops
 
 
 # -----------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from common import fail, read_settings
 from config import parse_config
 from experiments.depth_eval import evaluate_checkpoint, plot_lines
 from experiments.depth_tasks import TASKS, make_task
+from experiments.study import train_flops_per_token
+from model import RecurrentLM
 from registry import build_model
 
 DEFAULTS = dict(
@@ -63,13 +65,6 @@ def model_of(model, task):
     model_type, args = train.requested_model(c, dict(vocab_size=make_task(task, c['block_size']).vocab_size))
     with torch.device('meta'):
         return build_model(model_type or 'gpt', **args)
-
-
-def train_flops_per_token(model, seq_len, draws=4096):
-    """Mean training FLOPs a token over the depths training draws (estimate_mfu at 1 token/s and a peak
-    of 1 FLOP/s is the FLOPs of one trained token)."""
-    gen = torch.Generator().manual_seed(0)
-    return statistics.fmean(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws))
 
 
 # -----------------------------------------------------------------------------
@@ -101,7 +96,8 @@ def train_run(c, task, model, seed, iters, D):
            f"--init_from={'resume' if resume else 'scratch'}"]
     threads = max(1, (os.cpu_count() or 1) // c['jobs'])
     with open(os.path.join(out, 'train.log'), 'a') as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:
         fail(f"run {os.path.basename(out)} failed (exit {done.returncode}); see {out}/train.log, then rerun "
              f"python -m experiments.depth_study to continue")
@@ -138,7 +134,7 @@ def mean_rows(records):
     return {key: [statistics.fmean(col) for col in zip(*rows[key])] for key in order}
 
 
-def accuracy_table(records, D):
+def accuracy_markdown(records, D):
     """Markdown: a row per model and R, a column per difficulty, and the means within and beyond 1..D."""
     difficulties = records[0]['difficulties']
     lines = ['| model | R | ' + ' | '.join(f'd={d}' for d in difficulties) + f' | mean 1..{D} | mean > {D} |',
@@ -153,11 +149,12 @@ def accuracy_table(records, D):
 def models_table(c, task):
     grt = model_of('grt', task)
     seq_len = grt.config.block_size
-    lines = ['| model | config | layout | non-embedding params | train FLOPs/token | x GRT |', '|---|---|---|---|---|---|']
+    lines = ['| model | config | layout | non-embedding params | train FLOPs/token | x GRT |',
+             '|---|---|---|---|---|---|']
     for name in [m for m in c['models'].split(',') if m]:
         m = model_of(name, task)
-        layout = (f"{m.config.n_layer} layers" if not hasattr(m, 'num_block_passes') else
-                  f"{m.config.n_prelude}+{m.config.n_core}x{m.config.n_recur}+{m.config.n_coda}")
+        layout = (f"{m.config.n_prelude}+{m.config.n_core}x{m.config.n_recur}+{m.config.n_coda}"
+                  if isinstance(m, RecurrentLM) else f"{m.config.n_layer} layers")
         flops = train_flops_per_token(m, seq_len)
         lines.append(f"| {name} | `{CONFIGS[name]}` | {layout} | {m.get_num_params() / 1e6:.3f}M | "
                      f"{flops / 1e6:.2f}M | {flops / train_flops_per_token(grt, seq_len):.2f} |")
@@ -205,7 +202,7 @@ def write_report(c, records, D, wall_s):
         mine = [r for r in records if r['task'] == task]
         name = task.removeprefix('task:')
         lines += [f'## {name} (chance {mine[0]["chance"]:.3f})', ''] + runs_table(mine) + ['']
-        lines += accuracy_table(mine, D) + ['']
+        lines += accuracy_markdown(mine, D) + ['']
         if plot_task(mine, D, os.path.join(c['out_dir'], f'{name}.png')):
             lines += [f'![{name}]({name}.png)', '']
     with open(os.path.join(c['out_dir'], 'RESULTS.md'), 'w') as f:

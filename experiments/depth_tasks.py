@@ -89,7 +89,7 @@ class RunningSum:
         for length in lengths:
             if len(tokens) >= self.block_size:
                 break
-            run = operands[len(tokens) + 1: len(tokens) + 1 + length]
+            run = operands[len(tokens) + 1: len(tokens) + 1 + length]  # the operands drawn for these positions
             tokens += [self.reset] + run
             answers += [-1] + list(accumulate(run, self.combine))
             steps += range(len(run) + 1)

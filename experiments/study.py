@@ -71,7 +71,7 @@ MODELS = {
     'gpt': dict(model_type='gpt', n_layer=6),
     # 1 + 1x5 + 1: r ~ U{1..5} in training, mean 3 core passes + 2 unique blocks, plus W_proj and gate
     'grt': dict(model_type='grt', n_prelude=1, n_core=1, n_recur=5, n_coda=1),
-    # heavy-tail depth: r_mean 4 (E[r] about 4.5 with Poisson's +1), backprop through the last 3 steps
+    # heavy-tail depth: r_mean 4 (E[r] = 5 with the Poisson's +1), backprop through the last 3 steps
     'huginn': dict(model_type='huginn', n_prelude=1, n_core=1, n_recur=4, n_coda=1, backprop_depth=3),
     # middle-cycle sharing: unique first and last layers, the shared middle recursed 7 times, routed
     'mor': dict(model_type='mor', n_prelude=1, n_core=1, n_recur=7, n_coda=1),
@@ -133,11 +133,10 @@ def model_of(name):
                            n_head=4, **fields)
 
 
-def train_flops_per_token(model, draws=4096):
-    """Mean training FLOPs per token over the depths training draws: the model's own estimate_mfu
-    at one token per second against a peak of 1 FLOP/s is exactly its FLOPs per trained token."""
+def train_flops_per_token(model, seq_len=SEQ_LEN, draws=65536):
+    """Mean training FLOPs per token over the depths training draws (seeded draws)."""
     gen = torch.Generator().manual_seed(0)
-    return statistics.fmean(model.estimate_mfu(1, 1.0, 1.0, SEQ_LEN, model.sample_depth(gen)) for _ in range(draws))
+    return statistics.fmean(model.train_flops_per_token(seq_len, model.sample_depth(gen)) for _ in range(draws))
 
 
 def flops_table(names):
