@@ -39,6 +39,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
     gelu_approximate: str = 'none'  # exact GELU, as nanoGPT; 'tanh': GPT-2's own (from_pretrained)
+    attn_window: int = 0  # w > 0: a token attends to itself and the w - 1 tokens before it (local); 0: to all
 
     def __post_init__(self):
         check(min(self.block_size, self.vocab_size, self.n_head, self.n_embd) >= 1,
@@ -46,6 +47,7 @@ class GPTConfig:
         check(self.n_embd % self.n_head == 0,
               f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): pick one of its divisors")
         check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.attn_window >= 0, f"attn_window must be >= 0 (0: every earlier token), got {self.attn_window}")
         check(self.gelu_approximate in ('none', 'tanh'),
               f"gelu_approximate must be 'none' (exact GELU) or 'tanh', got {self.gelu_approximate!r}")
 
@@ -108,6 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
+        self.window = config.attn_window
 
     def forward(self, x, cache=None):
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
@@ -120,10 +123,12 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, nh, past + T, hs)
         dropout_p = self.dropout if self.training else 0.0
         # causal self-attention; (B, nh, T, hs) x (B, nh, hs, past + T) -> (B, nh, T, past + T)
-        if past == 0:
+        if past == 0 and not self.window:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:  # new token t sees the cached tokens and the new ones up to itself
+        else:  # new token t sees the cached tokens and the new ones up to itself (the last `window` of them)
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            if self.window:
+                mask = mask.triu(diagonal=past - self.window + 1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         # output projection

@@ -92,6 +92,40 @@ def test_cached_chunk_after_prefix(model):
 
 
 @pytest.mark.parametrize('name', ['tiny-gpt', 'tiny-grt'])
+def test_local_attention_reaches_back_one_token_a_block_pass(name):
+    """attn_window = 2: each block pass sees one token further back, so a change at position p moves the
+    logits at p .. p + passes and nowhere else (the GRT's passes: prelude, R core steps, coda)."""
+    model = scramble(tiny(name, attn_window=2), std=0.2).eval()
+    passes = 4 if name == 'tiny-gpt' else model.num_block_passes(model.config.n_recur)
+    idx = torch.randint(0, VOCAB, (1, 30))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % VOCAB
+    with torch.no_grad():
+        moved = (logits_all(model, idx) - logits_all(model, changed)).abs().amax(-1)[0] > 1e-6
+    assert moved.nonzero().flatten().tolist() == list(range(10, 11 + passes))
+
+
+@pytest.mark.parametrize('name', ['tiny-gpt', 'tiny-grt'])
+def test_local_attention_cached_equals_uncached(name):
+    """The window applies to cached keys too (a prefill, a chunk, then a token at a time), and a
+    window as long as the block is full attention."""
+    model = scramble(tiny(name, attn_window=3), std=0.2).eval()
+    idx = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        full = logits_all(model, idx)
+        cache = model.new_kv_cache(max_len=30)
+        model(idx[:, :7], kv_cache=cache)
+        chunk = model(idx[:, 7:12], targets=idx[:, 7:12], kv_cache=cache)[0]
+        torch.testing.assert_close(chunk, full[:, 7:12], atol=1e-5, rtol=1e-5)
+        for t in range(12, 30):
+            logits, _ = model(idx[:, t:t + 1], kv_cache=cache)
+            torch.testing.assert_close(logits[:, -1], full[:, t], atol=1e-5, rtol=1e-5)
+        wide, everything = scramble(tiny(name, attn_window=64), std=0.2).eval(), scramble(tiny(name), std=0.2).eval()
+        torch.testing.assert_close(logits_all(wide, idx), logits_all(everything, idx))
+        assert not torch.allclose(full, logits_all(everything, idx))
+
+
+@pytest.mark.parametrize('name', ['tiny-gpt', 'tiny-grt'])
 @pytest.mark.parametrize('prompt_len,new_tokens', [(1, 10), (5, 12), (12, 20), (16, 6)])
 def test_greedy_generation_cached_equals_uncached(name, prompt_len, new_tokens):
     """block_size 16: the longer runs slide the window past block_size, where the cache is rebuilt."""

@@ -219,7 +219,8 @@ def test_the_command_refuses_a_language_checkpoint(tmp_path):
 
 def test_the_study_models_match_the_grt_as_their_configs_say():
     """gpt_params: the layer count nearest the GRT's non-embedding parameters; gpt_flops and huginn:
-    within 5% of its training FLOPs a token."""
+    within 5% of its training FLOPs a token, grt_local within 10%; the local dense models are the
+    dense ones with grt_local's attention window."""
     grt = depth_study.model_of('grt', 'pointer')
     flops = lambda m: study.train_flops_per_token(m, grt.config.block_size)
     per_layer = depth_study.model_of('gpt_params', 'pointer').get_num_params() / 3
@@ -229,6 +230,11 @@ def test_the_study_models_match_the_grt_as_their_configs_say():
     huginn = depth_study.model_of('huginn', 'pointer').config
     assert (huginn.n_prelude, huginn.n_core, huginn.n_recur, huginn.n_coda) == \
         (grt.config.n_prelude, grt.config.n_core, grt.config.n_recur, grt.config.n_coda)
+    assert flops(depth_study.model_of('grt_local', 'pointer')) == pytest.approx(flops(grt), rel=0.1)
+    for name in ('gpt_params', 'gpt_flops'):  # the local twins differ in their attention alone
+        full, local = depth_study.run_settings(name), depth_study.run_settings(name + '_local')
+        assert {k for k in full if full[k] != local[k]} == {'out_dir', 'attn_window'}
+        assert local['attn_window'] == depth_study.run_settings('grt_local')['attn_window'] == 2
 
 
 def fake_train_py(calls):
