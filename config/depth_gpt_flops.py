@@ -1,4 +1,4 @@
-# A dense GPT with the depth GRT's training FLOPs a token: 8 layers, 2.75 MFLOP (the GRT 2.78 at r ~ U{1..8}).
+# A dense GPT with the depth GRT's training FLOPs a token: 8 layers, 2.75 MFLOP (the GRT 2.79 at r ~ U{1..8}).
 from config.depth_recipe import *
 
 out_dir = 'out-depth-gpt-flops'
