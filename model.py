@@ -125,9 +125,9 @@ class CausalSelfAttention(nn.Module):
         # causal self-attention; (B, nh, T, hs) x (B, nh, hs, past + T) -> (B, nh, T, past + T)
         if past == 0 and not self.window:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:  # new token t sees the cached tokens and the new ones up to itself (the last `window` of them)
+        else:  # new token t, at position past + t, sees the keys up to itself: all, or the last `window`
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            if self.window:
+            if self.window:  # and none before position past + t - window + 1
                 mask = mask.triu(diagonal=past - self.window + 1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
@@ -320,7 +320,7 @@ class RecurrentLM(LanguageModel):
     def recur(self, h, e, r, caches):
         """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
         n, k = self.config.n_core, self.config.backprop_depth
-        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: the last k steps
+        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: last k steps only
         for step in range(r):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
                 h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
@@ -388,7 +388,8 @@ class RecurrentLM(LanguageModel):
 
     def train_flops_per_token(self, seq_len, num_steps=None):
         """Forward and backward at depth r, less the backward of the r - k steps that truncated
-        backprop runs without gradients. num_steps: R if None; train.py passes an iteration's mean r."""
+        backprop runs without gradients. num_steps: R if None; train.py passes an iteration's mean r,
+        which slightly undercounts the no-grad steps when the depths of an iteration differ."""
         c, d = self.config, self.config.n_embd
         r = c.n_recur if num_steps is None else num_steps
         steps_without_grad = max(r - c.backprop_depth, 0) if c.backprop_depth else 0

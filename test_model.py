@@ -95,8 +95,9 @@ def test_cached_chunk_after_prefix(model):
 def test_local_attention_reaches_back_one_token_a_block_pass(name):
     """attn_window = 2: each block pass sees one token further back, so a change at position p moves the
     logits at p .. p + passes and nowhere else (the GRT's passes: prelude, R core steps, coda)."""
-    model = scramble(tiny(name, attn_window=2), std=0.2).eval()
-    passes = 4 if name == 'tiny-gpt' else model.num_block_passes(model.config.n_recur)
+    gate = {} if name == 'tiny-gpt' else dict(gate_bias=0.0)  # a gate near 1 would pass little of each step
+    model = scramble(tiny(name, attn_window=2, **gate), std=0.2).eval()
+    passes = model.config.n_layer if name == 'tiny-gpt' else model.num_block_passes(model.config.n_recur)
     idx = torch.randint(0, VOCAB, (1, 30))
     changed = idx.clone()
     changed[0, 10] = (idx[0, 10] + 1) % VOCAB

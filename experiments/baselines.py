@@ -180,6 +180,9 @@ class MoRConfig(RecurrentConfig):
             raise ValueError("mor's middle-cycle sharing keeps unique first and last layers: n_prelude, n_coda >= 1")
         if self.router_hidden < 1:
             raise ValueError(f"router_hidden must be >= 1, got {self.router_hidden}")
+        if self.attn_window:  # the core runs on the routed tokens gathered together, not at their positions
+            raise ValueError("mor does not take attn_window: its routed tokens are gathered, so a window would "
+                             "count kept tokens, not positions; leave attn_window at 0")
         if self.router_alpha <= 0 or self.capacity_warmup < 0:
             raise ValueError(f"mor needs router_alpha > 0 and capacity_warmup >= 0; got {self.router_alpha} "
                              f"and {self.capacity_warmup}")

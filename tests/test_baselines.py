@@ -106,6 +106,7 @@ def test_registered_and_built_from_config():
     ('rung1', dict(n_prelude=1), 'set n_prelude=0 and n_coda=0'),
     ('huginn', dict(backprop_depth=0), 'backprop_depth must be >= 1'),
     ('mor', dict(n_prelude=0), 'unique first and last layers'),
+    ('mor', dict(attn_window=2), 'mor does not take attn_window'),
     # a setting a model does not have is refused, not silently ignored
     ('huginn', dict(gate_noise=0.2), "gate_noise does not apply to model_type 'huginn'"),
     ('mor', dict(state_noise=0.1), "state_noise does not apply to model_type 'mor'"),
