@@ -250,6 +250,26 @@ def peak_flops_for(device, ptdtype, override, verbose=False):
     return 0.0  # mps: unknown, MFU not shown
 
 
+def train_flops_per_token(model, seq_len, num_steps=None):
+    """Training FLOPs per token at depth r (R if None; nothing for a dense model): forward and backward
+    (twice the forward), less the backward of the r - k steps that truncated backprop (backprop_depth = k)
+    runs without gradients. train.py passes an iteration's mean r, which slightly undercounts those
+    steps when an iteration's depths differ."""
+    c, d = model.config, model.config.n_embd
+    flops = 3 * model.flops_per_token(seq_len, num_steps)
+    k = getattr(c, 'backprop_depth', None)
+    if k:
+        r = c.n_recur if num_steps is None else num_steps
+        step = c.n_core * (24 * d * d + 4 * seq_len * d) + model.step_flops()
+        flops -= 2 * max(r - k, 0) * step
+    return flops
+
+
+def estimate_mfu(model, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
+    """Model FLOPs utilisation: training FLOPs per second over peak_flops."""
+    return train_flops_per_token(model, seq_len, num_steps) * tokens_per_iter / dt / peak_flops
+
+
 # -----------------------------------------------------------------------------
 # Data: random windows from memory-mapped token files, drawn by a seeded generator
 

@@ -271,13 +271,6 @@ class LanguageModel(nn.Module):
     def sample_depth(self, generator):
         return None  # the depth of a training micro-step (train.py's keyed generator): none for a dense model
 
-    def train_flops_per_token(self, seq_len, num_steps=None):
-        return 3 * self.flops_per_token(seq_len, num_steps)  # forward + backward (twice the forward)
-
-    def estimate_mfu(self, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None):
-        """Model FLOPs utilisation: training FLOPs per second over peak_flops."""
-        return self.train_flops_per_token(seq_len, num_steps) * tokens_per_iter / dt / peak_flops
-
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW; weight decay on matrices (Linears and embeddings), none on biases and norms."""
         params = [p for p in self.parameters() if p.requires_grad]
@@ -306,42 +299,6 @@ class RecurrentLM(LanguageModel):
     def _finish_init(self):
         """The residual scaling counts the block passes at depth R: each core pass adds again."""
         super()._finish_init(residual_depth=self.num_block_passes(self.config.n_recur))
-
-    def body(self, x, num_steps=None, kv_cache=None):
-        r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
-        caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
-        check(len(caches) == self.num_block_passes(r),
-              f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
-        p, core = self.config.n_prelude, self.config.n_core * r
-        e = run_blocks(self.transformer.prelude, x, caches[:p])
-        h = self.recur(self.initial_state(e), e, r, caches[p:p + core])
-        return run_blocks(self.transformer.coda, self.before_coda(h), caches[p + core:])
-
-    def recur(self, h, e, r, caches):
-        """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
-        n, k = self.config.n_core, self.config.backprop_depth
-        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: last k steps only
-        for step in range(r):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
-                h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
-        return h
-
-    def initial_state(self, e):
-        if self.config.init_state == 'random':  # Huginn's h0: TruncNormal(0, 0.02^2), its mean 0 in eval
-            return nn.init.trunc_normal_(torch.empty_like(e), std=0.02, a=-0.06, b=0.06) if self.training else 0 * e
-        return e.clone()  # h0 = e; a copy, so a compiled step never sees h and e as one tensor
-
-    def before_coda(self, h):
-        return h  # what the coda reads (Huginn normalises it first)
-
-    def run_core(self, x, caches):
-        """The shared core: n_core blocks, the same weights at every step. Autocast may make x (a
-        Linear's output) bf16; the core adds its residuals in the fp32 stream like every other block."""
-        return run_blocks(self.transformer.core, x.to(self.transformer.wte.weight.dtype), caches)
-
-    def noise(self, like, std):
-        """N(0, std^2) shaped like `like` in training, 0 in eval."""
-        return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0
 
     def resolve_steps(self, num_steps):
         """r: num_steps if given, else a draw in training (from torch's global generator) and R in eval."""
@@ -386,15 +343,41 @@ class RecurrentLM(LanguageModel):
     def step_flops(self):
         return 0  # FLOPs per token of one step beyond its core blocks
 
-    def train_flops_per_token(self, seq_len, num_steps=None):
-        """Forward and backward at depth r, less the backward of the r - k steps that truncated
-        backprop runs without gradients. num_steps: R if None; train.py passes an iteration's mean r,
-        which slightly undercounts the no-grad steps when the depths of an iteration differ."""
-        c, d = self.config, self.config.n_embd
-        r = c.n_recur if num_steps is None else num_steps
-        steps_without_grad = max(r - c.backprop_depth, 0) if c.backprop_depth else 0
-        step = c.n_core * (24 * d * d + 4 * seq_len * d) + self.step_flops()
-        return 3 * self.flops_per_token(seq_len, r) - 2 * steps_without_grad * step
+    def body(self, x, num_steps=None, kv_cache=None):
+        r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
+        caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
+        check(len(caches) == self.num_block_passes(r),
+              f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
+        p, core = self.config.n_prelude, self.config.n_core * r
+        e = run_blocks(self.transformer.prelude, x, caches[:p])
+        h = self.recur(self.initial_state(e), e, r, caches[p:p + core])
+        return run_blocks(self.transformer.coda, self.before_coda(h), caches[p + core:])
+
+    def recur(self, h, e, r, caches):
+        """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
+        n, k = self.config.n_core, self.config.backprop_depth
+        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: last k steps only
+        for step in range(r):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
+                h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
+        return h
+
+    def initial_state(self, e):
+        if self.config.init_state == 'random':  # Huginn's h0: TruncNormal(0, 0.02^2), its mean 0 in eval
+            return nn.init.trunc_normal_(torch.empty_like(e), std=0.02, a=-0.06, b=0.06) if self.training else 0 * e
+        return e.clone()  # h0 = e; a copy, so a compiled step never sees h and e as one tensor
+
+    def before_coda(self, h):
+        return h  # what the coda reads (Huginn normalises it first)
+
+    def run_core(self, x, caches):
+        """The shared core: n_core blocks, the same weights at every step. Autocast may make x (a
+        Linear's output) bf16; the core adds its residuals in the fp32 stream like every other block."""
+        return run_blocks(self.transformer.core, x.to(self.transformer.wte.weight.dtype), caches)
+
+    def noise(self, like, std):
+        """N(0, std^2) shaped like `like` in training, 0 in eval."""
+        return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0
 
 
 # -----------------------------------------------------------------------------

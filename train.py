@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup, fail,
-                    measure_cpu_peak, peak_flops_for, pick_device, pick_dtype, read_checkpoint, read_settings,
-                    rng_key, share_cores)
+from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup,
+                    estimate_mfu, fail, measure_cpu_peak, peak_flops_for, pick_device, pick_dtype,
+                    read_checkpoint, read_settings, rng_key, share_cores)
 from model import GPT
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
@@ -269,12 +269,12 @@ def train(c):
                     stop_non_finite('loss', lossf)
                 mfu, depth = None, sum(window) / len(window) if window else None
                 if peak:
-                    mfu = model.estimate_mfu(tokens_per_iter // world, dt, peak, block_size, depth)
+                    mfu = estimate_mfu(model, tokens_per_iter // world, dt, peak, block_size, depth)
                     if mfu > 1 and device_type == 'cpu' and c['peak_flops'] <= 0 and remeasured < 3:
                         # faster than the peak: other work loaded the cores while it was measured, so
                         # measure again (keeping the higher figure) rather than show an MFU above 100%
                         remeasured, peak = remeasured + 1, measure_cpu_peak(getattr(torch, dtype), again=True)
-                        mfu = model.estimate_mfu(tokens_per_iter // world, dt, peak, block_size, depth)
+                        mfu = estimate_mfu(model, tokens_per_iter // world, dt, peak, block_size, depth)
                     if mfu > 1:  # the peak is wrong for this device: say so once, never show the figure
                         if not mfu_withheld:
                             tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {dtype} peak of "

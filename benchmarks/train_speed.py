@@ -7,7 +7,7 @@ tokens/s and MFU of the optimizer step train.py takes, eager and compiled, on ra
 
 Each model trains fresh: one warm-up step (compilation, when compiled), then --steps timed steps at
 batch --batch_size x 256 tokens (capped at block_size), the GRTs' depth drawn per step as train.py draws
-it. MFU is train.py's: model.estimate_mfu against common.peak_flops_for in the run's dtype (on a CPU a
+it. MFU is train.py's: common.estimate_mfu against common.peak_flops_for in the run's dtype (on a CPU a
 measured matrix-product peak). A table, then one JSON line.
 """
 
@@ -18,8 +18,8 @@ import time
 import torch
 
 from bench import SCALES, build_preset, free_memory, hardware, print_table, synchronizer
-from common import (autocast_context, compile_regions, fail, measure_cpu_peak, peak_flops_for, pick_device,
-                    pick_dtype, read_settings)
+from common import (autocast_context, compile_regions, estimate_mfu, fail, measure_cpu_peak, peak_flops_for,
+                    pick_device, pick_dtype, read_settings)
 
 DEFAULTS = dict(
     scale='small',  # bench.py's scales: tiny | small | medium | large
@@ -56,10 +56,10 @@ def training_mfu(model, tokens, seconds, seq_len, mean_depth, device, dtype, pea
     peak = peak_flops_for(device, getattr(torch, dtype), peak_flops)
     if not peak:
         return None
-    mfu = model.estimate_mfu(tokens, seconds, peak, seq_len, mean_depth)
+    mfu = estimate_mfu(model, tokens, seconds, peak, seq_len, mean_depth)
     if mfu > 1 and device == 'cpu' and peak_flops <= 0:
         peak = measure_cpu_peak(getattr(torch, dtype), again=True)
-        mfu = model.estimate_mfu(tokens, seconds, peak, seq_len, mean_depth)
+        mfu = estimate_mfu(model, tokens, seconds, peak, seq_len, mean_depth)
     if mfu > 1:
         print(f"warning: MFU would be {100 * mfu:.0f}% against a {dtype} peak of {peak / 1e9:.1f} GFLOP/s, so that "
               f"peak is wrong for this device; MFU not reported (set --peak_flops=...)", file=sys.stderr)

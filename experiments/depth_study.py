@@ -40,7 +40,7 @@ from common import fail, read_settings
 from config import parse_config
 from experiments.depth_eval import evaluate_checkpoint, plot_lines
 from experiments.depth_tasks import TASKS, make_task
-from experiments.study import train_flops_per_token
+from experiments.study import mean_train_flops
 from model import RecurrentLM
 from registry import build_model
 
@@ -160,9 +160,9 @@ def models_table(c, task):
         m = model_of(name, task)
         layout = (f"{m.config.n_prelude}+{m.config.n_core}x{m.config.n_recur}+{m.config.n_coda}"
                   if isinstance(m, RecurrentLM) else f"{m.config.n_layer} layers")
-        flops = train_flops_per_token(m, seq_len)
+        flops = mean_train_flops(m, seq_len)
         lines.append(f"| {name} | `{CONFIGS[name]}` | {layout} | {m.get_num_params() / 1e6:.3f}M | "
-                     f"{flops / 1e6:.2f}M | {flops / train_flops_per_token(grt, seq_len):.2f} |")
+                     f"{flops / 1e6:.2f}M | {flops / mean_train_flops(grt, seq_len):.2f} |")
     return lines
 
 

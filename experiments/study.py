@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 import prepare_data
-from common import Batches, fail, load_model, read_checkpoint, read_settings, rng_key
+from common import Batches, fail, load_model, read_checkpoint, read_settings, rng_key, train_flops_per_token
 from registry import build_model, from_checkpoint
 
 DEFAULTS = dict(
@@ -66,7 +66,7 @@ TOKENS_PER_ITER = 12 * SEQ_LEN  # the recipe's batch_size x block_size
 
 # The models, each as train.py model fields. Every model but grt_deep is matched to the 6-layer
 # dense model in *training* FLOPs per token (within 3.5%, depth drawn as training draws it; see
-# train_flops_per_token and the table in RESULTS.md), so at eval depth the recurrent ones spend more.
+# mean_train_flops and the table in RESULTS.md), so at eval depth the recurrent ones spend more.
 MODELS = {
     'gpt': dict(model_type='gpt', n_layer=6),
     # 1 + 1x5 + 1: r ~ U{1..5} in training, mean 3 core passes + 2 unique blocks, plus W_proj and gate
@@ -133,20 +133,20 @@ def model_of(name):
                            n_head=4, **fields)
 
 
-def train_flops_per_token(model, seq_len=SEQ_LEN, draws=65536):
+def mean_train_flops(model, seq_len=SEQ_LEN, draws=65536):
     """Mean training FLOPs per token over the depths training draws (seeded draws)."""
     gen = torch.Generator().manual_seed(0)
-    return statistics.fmean(model.train_flops_per_token(seq_len, model.sample_depth(gen)) for _ in range(draws))
+    return statistics.fmean(train_flops_per_token(model, seq_len, model.sample_depth(gen)) for _ in range(draws))
 
 
 def flops_table(names):
     dense = model_of('gpt')
-    dense_train, dense_infer = train_flops_per_token(dense), dense.flops_per_token(SEQ_LEN)
+    dense_train, dense_infer = mean_train_flops(dense), dense.flops_per_token(SEQ_LEN)
     rows = ['| model | layout | unique params (non-emb.) | train FLOPs/token | x dense | inference FLOPs/token | x dense |',
             '|---|---|---|---|---|---|---|']
     for name in names:
         m = model_of(name)
-        tr, inf = train_flops_per_token(m), m.flops_per_token(SEQ_LEN)
+        tr, inf = mean_train_flops(m), m.flops_per_token(SEQ_LEN)
         rows.append(f"| {name} | {layout(name)} | {m.get_num_params() / 1e6:.3f}M | {tr / 1e6:.2f}M | "
                     f"{tr / dense_train:.2f} | {inf / 1e6:.2f}M | {inf / dense_infer:.2f} |")
     return rows

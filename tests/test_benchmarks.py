@@ -35,7 +35,7 @@ def test_train_throughput_steps_the_model_and_gives_a_plausible_mfu():
 
 
 def test_training_mfu_is_train_pys_and_never_above_100_percent(monkeypatch, capsys):
-    """train.py's formula (model.estimate_mfu against common.peak_flops_for in the run's dtype); above
+    """train.py's formula (common.estimate_mfu against common.peak_flops_for in the run's dtype); above
     100% the CPU peak is measured again, as train.py does, and a figure still above 100% (the peak is
     wrong) is withheld with a warning."""
     m = tiny_model('grt')

@@ -203,13 +203,6 @@ def test_isoflop_twins_pass_through_as_many_blocks(dense, recurrent):
     assert grt.config.n_embd == gpt.config.n_embd
 
 
-def train_flops(model, seq_len, draws=2000):
-    """Training FLOPs per token averaged over the depths training draws (estimate_mfu at 1 token/s
-    against a 1 FLOP/s peak is the FLOPs of one trained token)."""
-    gen = torch.Generator().manual_seed(0)
-    return sum(model.estimate_mfu(1, 1.0, 1.0, seq_len, model.sample_depth(gen)) for _ in range(draws)) / draws
-
-
 SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
 
 
@@ -224,7 +217,7 @@ def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
     model, grt = config_model(path), config_model(reference)
     seq_len = grt.config.block_size
     assert model.config.block_size == seq_len and model.config.n_embd == grt.config.n_embd
-    assert train_flops(model, seq_len) == pytest.approx(train_flops(grt, seq_len), rel=tolerance)
+    assert study.mean_train_flops(model, seq_len) == pytest.approx(study.mean_train_flops(grt, seq_len), rel=tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,8 +227,8 @@ def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
 @pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
 def test_study_models_match_dense_training_flops(name):
     """isoFLOP and ladder runs cost the dense model's training FLOPs per token (within 3.5%)."""
-    dense = study.train_flops_per_token(study.model_of('gpt'))
-    assert abs(study.train_flops_per_token(study.model_of(name)) / dense - 1) < 0.035
+    dense = study.mean_train_flops(study.model_of('gpt'))
+    assert abs(study.mean_train_flops(study.model_of(name)) / dense - 1) < 0.035
 
 
 def test_isoparam_model_matches_dense_unique_blocks():

@@ -221,7 +221,7 @@ def test_the_study_models_match_the_grt_as_their_configs_say():
     within 5% of its training FLOPs a token, grt_local within 10%; the local dense models are the
     dense ones with grt_local's attention window."""
     grt = depth_study.model_of('grt', 'pointer')
-    flops = lambda m: study.train_flops_per_token(m, grt.config.block_size)
+    flops = lambda m: study.mean_train_flops(m, grt.config.block_size)
     per_layer = depth_study.model_of('gpt_params', 'pointer').get_num_params() / 3
     assert depth_study.model_of('gpt_params', 'pointer').config.n_layer == round(grt.get_num_params() / per_layer)
     for name in ('gpt_flops', 'huginn'):
