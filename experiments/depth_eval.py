@@ -124,7 +124,7 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
     trained = checkpoint['config']
     if not str(trained.get('dataset', '')).startswith('task:'):
         fail(f"{os.path.join(out_dir, ckpt)} was trained on {trained.get('dataset')!r}, not a depth task; "
-             f"train one with e.g. `python train.py config/depth_grt.py`")
+             f"train one with e.g. `python train.py config/depth/grt.py`")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     D = trained['difficulty']
     difficulties = list(range(1, (max_difficulty or 3 * D) + 1))

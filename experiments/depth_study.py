@@ -7,17 +7,17 @@ Does test-time depth solve harder problems? Issue 19's comparison, with one resu
 
 Eight models, each trained on a depth task's difficulties 1..D and evaluated on 1..3D at several
 test-time R (experiments/depth_eval.py):
-  grt               the GRT as the paper trains it, 1 + 1x8 + 1, r ~ U{1..8} (config/depth_grt.py)
-  grt_fixed         the GRT at a fixed r = R = 5, gate bias 0 (config/depth_grt_fixed.py)
+  grt               the GRT as the paper trains it, 1 + 1x8 + 1, r ~ U{1..8} (config/depth/grt.py)
+  grt_fixed         the GRT at a fixed r = R = 5, gate bias 0 (config/depth/grt_fixed.py)
   grt_local         the GRT with local attention (a token and the one before), 1 + 1x4 + 1, heavy-tailed r,
-                    gate bias 0 (config/depth_grt_local.py)
-  gpt_params        a dense GPT with the GRT's non-embedding parameters, 3 layers (config/depth_gpt_params.py)
-  gpt_flops         a dense GPT with the GRT's training FLOPs a token, 8 layers (config/depth_gpt_flops.py)
-  gpt_params_local  gpt_params with grt_local's local attention (config/depth_gpt_params_local.py)
-  gpt_flops_local   gpt_flops with grt_local's local attention (config/depth_gpt_flops_local.py)
-  huginn            Huginn at the GRT's layout and about its training FLOPs (config/depth_huginn.py)
+                    gate bias 0 (config/depth/grt_local.py)
+  gpt_params        a dense GPT with the GRT's non-embedding parameters, 3 layers (config/depth/gpt_params.py)
+  gpt_flops         a dense GPT with the GRT's training FLOPs a token, 8 layers (config/depth/gpt_flops.py)
+  gpt_params_local  gpt_params with grt_local's local attention (config/depth/gpt_params_local.py)
+  gpt_flops_local   gpt_flops with grt_local's local attention (config/depth/gpt_flops_local.py)
+  huginn            Huginn at the GRT's layout and about its training FLOPs (config/depth/huginn.py)
 
-Each run is `python train.py config/depth_<model>.py --dataset=task:<task> --seed=S ...`, kept in
+Each run is `python train.py config/depth/<model>.py --dataset=task:<task> --seed=S ...`, kept in
 <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt, best.pt). A run with depth.json (its evaluation
 of best.pt) is done and never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C
 and rerun loses at most one evaluation interval. At the end it writes <out_dir>/RESULTS.md (the
@@ -49,13 +49,13 @@ DEFAULTS = dict(
     tasks='compose',
     models='grt,grt_fixed,grt_local,gpt_params,gpt_flops,gpt_params_local,gpt_flops_local,huginn',
     seeds=1,
-    max_iters=0,  # iterations of a run; 0 = the configs' (config/depth_recipe.py)
+    max_iters=0,  # iterations of a run; 0 = the configs' (config/depth/recipe.py)
     difficulty=0,  # train on 1..D; 0 = the configs' D
     steps='1,2,4,8,16',  # test-time R of the recurrent models
     examples=128,  # eval sequences per difficulty
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
 )
-CONFIGS = {name: f'config/depth_{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'gpt_params', 'gpt_flops',
+CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'gpt_params', 'gpt_flops',
                                                          'gpt_params_local', 'gpt_flops_local', 'huginn')}
 
 

@@ -5,7 +5,7 @@ The paper's comparisons at laptop scale, on shakespeare_char, with one resumable
     python -m experiments.study --sections=isoflop,depth --seeds=1 --iters=300   # a quick partial look
     python -m experiments.study --sections=tune       # pick each model's learning rate (run once; see LEARNING_RATES)
 
-Each run is `python train.py config/study.py <model> --seed=S --max_iters=N --out_dir=...`, its output
+Each run is `python train.py config/study/recipe.py <model> --seed=S --max_iters=N --out_dir=...`, its output
 kept in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt). A run with result.json is done and
 never redone; a run with a checkpoint but no result.json resumes (--init_from=resume), so Ctrl-C and
 rerun loses at most one evaluation interval. At the end it writes <out_dir>/RESULTS.md (tables) and,
@@ -60,7 +60,7 @@ DEFAULTS = dict(
     jobs=2,  # runs trained at once, each on an equal share of the cores: on 2 cores, two 1-thread runs
     # take about 1.15x the time of one 2-thread run (bf16, 128 wide), so 2 jobs finish the study 1.75x sooner
 )
-RECIPE = 'config/study.py'
+RECIPE = 'config/study/recipe.py'
 SEQ_LEN = 64  # the recipe's block_size
 TOKENS_PER_ITER = 12 * SEQ_LEN  # the recipe's batch_size x block_size
 

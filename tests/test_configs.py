@@ -20,7 +20,7 @@ from prepare_data import GPT2_VOCAB_SIZE, write_tokens
 from registry import MODELS, PRESETS, build_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '*.py'))
+CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '**', '*.py'), recursive=True)
                  if not p.endswith('__init__.py'))  # the recipes too: each parses and trains on its own
 MODEL_FIELDS = set().union(*(config_class.__dataclass_fields__ for config_class, _ in MODELS.values()))
 PAPER_CONFIGS = sorted(os.path.relpath(p, HERE) for pattern in ('gpt2_*', 'grt_*', 'huginn_small', 'mor_small')
@@ -206,11 +206,16 @@ def test_isoflop_twins_pass_through_as_many_blocks(dense, recurrent):
 SHAKESPEARE = ['huginn', 'mor', 'rung1', 'rung2', 'rung3', 'rung4']
 
 
+def shakespeare_config(name):
+    """The Tiny Shakespeare config of a model: the quick-start pair at the top of config/, the study's others in config/study/."""
+    return f'config/shakespeare_char_{name}.py' if name in ('gpt', 'grt') else f'config/study/{name}.py'
+
+
 @pytest.mark.parametrize('path, reference, tolerance', [
     ('config/huginn_small.py', 'config/grt_small.py', 0.01),
     ('config/mor_small.py', 'config/grt_small.py', 0.03),
     ('config/shakespeare_char_grt.py', 'config/shakespeare_char_gpt.py', 0.02),  # the quick-start twins
-    *[(f'config/shakespeare_char_{name}.py', f'config/shakespeare_char_{ref}.py', 0.03)
+    *[(shakespeare_config(name), shakespeare_config(ref), 0.03)
       for name in SHAKESPEARE for ref in ('gpt', 'grt')],
 ])
 def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
@@ -221,7 +226,7 @@ def test_isoflop_configs_match_in_training_flops(path, reference, tolerance):
 
 
 # ---------------------------------------------------------------------------------------------
-# study.py's models (config/study.py is its recipe)
+# study.py's models (config/study/recipe.py is its recipe)
 
 
 @pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
@@ -239,10 +244,10 @@ def test_isoparam_model_matches_dense_unique_blocks():
 
 @pytest.mark.parametrize('name', [m for m in study.MODELS if m != 'grt_deep'])
 def test_study_models_are_the_shakespeare_char_configs(name):
-    """study.py's models have the layouts of config/shakespeare_char_<name>.py, at the recipe's width;
+    """study.py's models have the layouts of their Tiny Shakespeare configs, at the recipe's width;
     but for grt's depth: the study's is the paper's 1 + 1x5 + 1 at r ~ U{1..5} (gate bias +4), the quick
     start's 1 + 1x3 + 1 at a fixed r = 3 (bias 0), the same FLOPs."""
-    c, recipe = read_config(f'config/shakespeare_char_{name}.py'), read_config(study.RECIPE)
+    c, recipe = read_config(shakespeare_config(name)), read_config(study.RECIPE)
     if name == 'grt':
         assert (c['n_recur'], c['train_depth'], c['gate_bias']) == (3, 'fixed', 0.0)
         c = dict(c, n_recur=5)

@@ -259,12 +259,12 @@ def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monk
             '--steps=4,1', '--examples=2']
     depth_study.main(argv)
     assert [(config, args['dataset'], args['difficulty'], args['max_iters'], args['init_from'])
-            for config, args in calls] == [('config/depth_grt.py', 'task:sum', '2', '5', 'scratch'),
-                                           ('config/depth_gpt_params.py', 'task:sum', '2', '5', 'scratch')]
+            for config, args in calls] == [('config/depth/grt.py', 'task:sum', '2', '5', 'scratch'),
+                                           ('config/depth/gpt_params.py', 'task:sum', '2', '5', 'scratch')]
     report = open(tmp_path / 'RESULTS.md').read()
     rows = ['| grt | 1 |', '| grt | 3 |', '| grt | 4 |', '| gpt_params | dense |']  # the trained R = 3 added
     assert sorted(rows, key=report.index) == rows  # by model, then R ascending
-    assert '| grt | `config/depth_grt.py` | 1+1x8+1 |' in report
+    assert '| grt | `config/depth/grt.py` | 1+1x8+1 |' in report
     gate = json.load(open(tmp_path / 'runs' / 'sum-D2-grt-5it-s0' / 'depth.json'))['gate']
     assert f"| grt | 0 | 5 | 2.0000 | 2 | {gate[0]:.3f} / {gate[2]:.3f} |" in report  # the gate at step 1 and R
     assert '| d=6 | mean 1..2 | mean > 2 |' in report and os.path.getsize(tmp_path / 'sum.png') > 0

@@ -1,5 +1,5 @@
 # A dense GPT with the depth GRT's training FLOPs a token: 8 layers, 2.75 MFLOP (the GRT 2.79 at r ~ U{1..8}).
-from config.depth_recipe import *
+from config.depth.recipe import *
 
 out_dir = 'out-depth-gpt-flops'
 model_type = 'gpt'

@@ -1,6 +1,6 @@
 # Huginn on a depth task: 1 + 1x8 + 1, r = Poisson(tau) + 1 with mean tau 8, gradients through the last 4 steps;
 # training FLOPs 1.03x the depth GRT's, eval at R = 8 unless depth_eval says otherwise.
-from config.depth_recipe import *
+from config.depth.recipe import *
 
 out_dir = 'out-depth-huginn'
 model_type = 'huginn'

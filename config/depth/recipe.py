@@ -1,8 +1,8 @@
-# The depth-task recipe that every config/depth_*.py starts from, then adds its model: a task of
+# The depth-task recipe that every config/depth/*.py starts from, then adds its model: a task of
 # experiments/depth_tasks.py drawn on the fly (no data files), width 64, block 64, batch 32: a run of
 # 2,000 iterations trains in 1.5-7.5 minutes on one core of a 2-vCPU AMD EPYC (docs/depth.md).
-#   python train.py config/depth_grt_local.py                    # S3 running products, difficulties 1..4
-#   python train.py config/depth_grt_local.py --dataset=task:pointer
+#   python train.py config/depth/grt_local.py                    # S3 running products, difficulties 1..4
+#   python train.py config/depth/grt_local.py --dataset=task:pointer
 #   python -m experiments.depth_eval --out_dir=out-depth-grt-local   # accuracy at difficulties 1..12, R = 1..16
 dataset = 'task:compose'  # 'task:compose', 'task:pointer' or 'task:sum' (experiments/depth_tasks.py)
 difficulty = 4  # train and validate on answers that need 1..4 sequential steps

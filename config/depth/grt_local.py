@@ -2,8 +2,8 @@
 # each recurrence step reaches one token further back and a longer run of operands needs more steps:
 # what the loop learns to do one step at a time, more steps at test time carry on (docs/depth.md).
 # 1 + 1x4 + 1, heavy-tailed training depths (Huginn's, E[r] = 5) that keep the state stable past R,
-# gate bias 0. Training FLOPs 1.08x config/depth_grt.py's (attention counted in full).
-from config.depth_recipe import *
+# gate bias 0. Training FLOPs 1.08x config/depth/grt.py's (attention counted in full).
+from config.depth.recipe import *
 
 out_dir = 'out-depth-grt-local'
 model_type = 'grt'
