@@ -4,7 +4,7 @@ model class), PRESETS names the paper's layouts. model.py and baselines.py defin
 know nothing of this file, so there is no import cycle: registry imports both.
 """
 
-from experiments.baselines import (MoR, MoRConfig, Huginn, HuginnConfig, NoisyRecurrence, NoisyRecurrentConfig,
+from baselines import (MoR, MoRConfig, Huginn, HuginnConfig, NoisyRecurrence, NoisyRecurrentConfig,
                        PlainRecurrence, ReinjectedRecurrence, Rung1Config)
 from model import GPT, GRT, GPTConfig, GRTConfig, RecurrentConfig
 

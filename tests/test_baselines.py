@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from baselines import Huginn, HuginnConfig, MoR, MoRConfig
 from common import compile_regions, train_flops_per_token
 from experiments import study
-from experiments.baselines import Huginn, HuginnConfig, MoR, MoRConfig
 from model import RecurrentLM, heavy_tailed_depths
 from registry import MODELS, build_model
 

@@ -471,3 +471,13 @@ def test_compile_auto_turns_off_where_it_loses():
     assert not on and 'n_embd=128' in why
     assert train.resolve_compile(True, 'cpu', 32) == (True, None)  # True and False force it
     assert train.resolve_compile(False, 'cuda', 768) == (False, None)
+
+
+def test_the_scripts_import_no_experiment():
+    """model.py, train.py and sample.py stand alone: experiments/ is imported only by a run that needs it
+    (a depth task's dataset), so a reader sees what the method needs."""
+    code = ("import sys, model, sample, train; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'experiments'))")
+    proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == '[]'
