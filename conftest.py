@@ -71,3 +71,14 @@ def save_checkpoint(out_dir, model, model_type, latest=None, prefix='', config=N
 def grt_dir(tmp_path_factory):
     """A checkpoint directory of a tiny GRT (the same weights in best.pt and ckpt.pt)."""
     return save_checkpoint(str(tmp_path_factory.mktemp('grt')), tiny_model('grt'), 'grt')
+
+
+def tiny_hf_gpt2(folder):
+    """A random GPT-2 of 1 layer, width 16 and GPT-2's 50,257 tokens, saved by transformers'
+    save_pretrained into folder (a folder named 'gpt2' in the cwd is what 'gpt2' resolves to
+    offline); returns the Hugging Face model, in eval mode."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    hf.save_pretrained(str(folder))
+    return hf

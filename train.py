@@ -29,9 +29,8 @@ from tqdm import tqdm
 
 import prepare_data
 from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup,
-                    estimate_mfu, fail, measure_cpu_peak, peak_flops_for, pick_device, pick_dtype,
+                    estimate_mfu, fail, from_pretrained, measure_cpu_peak, peak_flops_for, pick_device, pick_dtype,
                     read_checkpoint, read_settings, rng_key, share_cores)
-from model import GPT
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
@@ -45,6 +44,7 @@ TRAIN_DEFAULTS = dict(
     log_interval=10,  # a log.jsonl line and a progress-bar update every this many iterations
     eval_only=False,  # evaluate once and exit
     init_from='scratch',  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', ...
+    overwrite=False,  # a new run (not resume) into an out_dir holding ckpt.pt or best.pt: True replaces them, else refused
     # data
     dataset='fineweb10B',  # a folder of data_dir (prepare_data.py), or 'task:NAME' (experiments/depth_tasks.py)
     data_dir='data',
@@ -84,6 +84,15 @@ def train(c):
     for key in ('eval_interval', 'eval_iters', 'log_interval', 'batch_size', 'gradient_accumulation_steps'):
         if c[key] < 1:
             fail(f"{key} must be >= 1, got {c[key]}")
+
+    held = [n for n in ('ckpt.pt', 'best.pt') if os.path.isfile(os.path.join(c['out_dir'], n))]
+    if held and c['init_from'] != 'resume' and not c['eval_only']:
+        if not c['overwrite']:
+            fail(f"{c['out_dir']} holds a run ({' and '.join(held)}): continue it with --init_from=resume, "
+                 f"pick another --out_dir, or replace it with --overwrite=True")
+        if int(os.environ.get('RANK', 0)) == 0:  # the new run's files only, never a mix of two runs
+            for name in held:
+                os.remove(os.path.join(c['out_dir'], name))
 
     # DDP: one process, or one of torchrun's (it sets RANK, LOCAL_RANK and WORLD_SIZE)
     ddp = 'RANK' in os.environ and 'WORLD_SIZE' in os.environ
@@ -404,9 +413,13 @@ def init_model(c, meta, ckpt_path):
             if not os.path.isfile(ckpt_path):
                 fail(f"init_from='resume' but {ckpt_path} does not exist; train from scratch first or fix out_dir")
             checkpoint = read_checkpoint(ckpt_path)
-            saved = checkpoint['model_args']  # every field must match but dropout, which may change
+            saved, kept = checkpoint['model_args'], {'dropout'}  # every field must match but dropout, which may change
+            if c['vocab_size'] is None and saved['vocab_size'] >= args['vocab_size']:
+                kept.add('vocab_size')  # the data fits the model's vocabulary (a GPT-2 start's 50,257 tokens)
+            if args.get('block_size') == checkpoint['config'].get('block_size'):
+                kept.add('block_size')  # the window the run trains on (a GPT-2 start's, under its 1,024)
             diffs = [f"{k} (checkpoint {saved.get(k, '<absent>')!r}, config {v!r})"
-                     for k, v in args.items() if k != 'dropout' and saved.get(k, '<absent>') != v]
+                     for k, v in args.items() if k not in kept and saved.get(k, '<absent>') != v]
             if model_type and model_type != checkpoint['model_type']:
                 diffs.insert(0, f"model_type (checkpoint {checkpoint['model_type']!r}, config {model_type!r})")
             if diffs:
@@ -415,11 +428,11 @@ def init_model(c, meta, ckpt_path):
             dropout = {} if c['dropout'] is None else {'dropout': c['dropout']}
             return from_checkpoint(checkpoint, **dropout), checkpoint
         if init_from.startswith('gpt2'):
-            model = GPT.from_pretrained(init_from, dropout=c['dropout'] or 0.0)
+            model = from_pretrained(init_from, dropout=c['dropout'] or 0.0)
             if model.config.vocab_size < meta['vocab_size']:
                 fail(f"{init_from} has {model.config.vocab_size} tokens, the dataset {meta['vocab_size']}")
             return model, None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ImportError) as e:
         fail(e)
     except OSError as e:
         fail(f"could not load pretrained {init_from!r} ({e}); it needs the Hugging Face hub or its cache")
@@ -521,6 +534,7 @@ def main(argv=None):
         print("\ninterrupted before training began: nothing saved")
         sys.exit(130)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears down gloo's connections while another still uses them
         dist.destroy_process_group()
     return result
 

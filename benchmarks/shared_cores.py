@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -113,6 +114,7 @@ def main():
             for what in ('train', 'sample') if args.sample == 'True' else ('train',):
                 out_dir = os.path.join(args.work, f'out-{case}')
                 if what == 'train':
+                    shutil.rmtree(out_dir, ignore_errors=True)  # train.py refuses to train over another run
                     command = [sys.executable, 'train.py', 'config/shakespeare_char_grt.py', f'--max_iters={args.iters}',
                                '--eval_interval=1000', f'--out_dir={out_dir}', f'--data_dir={data_dir}']
                 else:

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import common
+import prepare_data
 import train
+from conftest import tiny_hf_gpt2
 from prepare_data import write_tokens
 from registry import build_model
 from experiments.depth_tasks import task_batches
@@ -122,6 +124,33 @@ def test_resume_repeats_the_uninterrupted_run_exactly(data_root, tmp_path):
     a = torch.load(tmp_path / 'full' / 'ckpt.pt', weights_only=False)['model']
     b = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=False)['model']
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_from_gpt2_fine_tunes_gpt2s_weights_and_resumes_exactly(data_root, tmp_path, monkeypatch):
+    """--init_from=gpt2 starts from Hugging Face's GPT-2 (here a tiny random one saved as ./gpt2, which
+    transformers finds before the hub, offline): the first logged loss is HF's own loss on the run's
+    first batch, and a run stopped at 2 and resumed repeats the uninterrupted one."""
+    hf = tiny_hf_gpt2(tmp_path / 'gpt2')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    run = dict(data_dir=data_root, dataset='tiny', init_from='gpt2', block_size=16, batch_size=4,
+               gradient_accumulation_steps=1, max_iters=4, eval_interval=2, eval_iters=2, log_interval=1,
+               learning_rate=1e-3, warmup_iters=1, compile=False, dtype='float32', device='cpu', peak_flops=1e12)
+    argv = lambda out, **over: [f'--{k}={v}' for k, v in {**run, 'out_dir': tmp_path / out, **over}.items()]
+    result = train.main(argv('full'))
+    train.main(argv('split', max_iters=2))
+    train.main(argv('split', init_from='resume'))
+    full, split = read_log(tmp_path / 'full'), read_log(tmp_path / 'split')
+    assert result['iter_num'] == 4 and all(math.isfinite(r['loss']) for r in full)
+    assert without_timing(split) == without_timing(full)
+    x, y = common.Batches([prepare_data.read_tokens(f) for f in prepare_data.token_files(os.path.join(data_root, 'tiny'), 'train')],
+                          16, 4, 'cpu').get(
+        torch.Generator().manual_seed(common.rng_key(1337, 'data', 0, 0)))
+    with torch.no_grad():
+        hf_loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert full[0]['loss'] == pytest.approx(hf_loss, rel=1e-5)
+    args = torch.load(tmp_path / 'full' / 'ckpt.pt', weights_only=False)['model_args']
+    assert args['vocab_size'] == 50257 and args['block_size'] == 64 and args['gelu_approximate'] == 'tanh'
 
 
 def test_evaluation_does_not_shift_the_training_stream(data_root, tmp_path):
@@ -228,6 +257,27 @@ def test_bad_config_and_mismatched_checkpoint_are_refused(data_root, tmp_path):
     assert 'n_layer (checkpoint 2, config 3)' in message and 'n_embd (checkpoint 32, config 48)' in message
     message = run_error(tiny_args(data_root, tmp_path, 'grt', init_from='resume'))
     assert "model_type (checkpoint 'gpt', config 'grt')" in message
+
+
+def test_a_new_run_never_overwrites_another(data_root, tmp_path):
+    """A new run into an out_dir that holds ckpt.pt or best.pt is refused, the files untouched, unless
+    --overwrite=True; evaluating a fresh model there writes nothing and is allowed."""
+    train.main(tiny_args(data_root, tmp_path, 'gpt', max_iters=2, eval_interval=2))
+    before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt', 'log.jsonl')}
+    message = run_error(tiny_args(data_root, tmp_path, 'gpt', n_embd=48))
+    assert message == (f"error: {tmp_path} holds a run (ckpt.pt and best.pt): continue it with --init_from=resume, "
+                       f"pick another --out_dir, or replace it with --overwrite=True")
+    os.remove(tmp_path / 'ckpt.pt')
+    before.pop('ckpt.pt')
+    assert 'holds a run (best.pt)' in run_error(tiny_args(data_root, tmp_path, 'gpt', n_embd=48))
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert train.main(tiny_args(data_root, tmp_path, 'gpt', eval_only=True))['iter_num'] == 0
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    train.main(tiny_args(data_root, tmp_path, 'gpt', n_embd=48, max_iters=3, eval_interval=3, overwrite=True))
+    for name in ('ckpt.pt', 'best.pt'):
+        checkpoint = torch.load(tmp_path / name, weights_only=False)
+        assert checkpoint['model_args']['n_embd'] == 48 and checkpoint['iter_num'] == 3
+    assert [r['iter'] for r in read_log(tmp_path)] == [1, 2, 3]
 
 
 def test_missing_data(data_root, tmp_path, capsys):
