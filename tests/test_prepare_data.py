@@ -78,7 +78,8 @@ def sleeps(monkeypatch):
 
 @pytest.fixture(scope='session')
 def gpt2_bpe(tmp_path_factory):
-    """Make the real GPT-2 BPE loadable offline: CI's TIKTOKEN_CACHE_DIR, or a cache built here from ../shared."""
+    """The real GPT-2 BPE (tiktoken's cache: TIKTOKEN_CACHE_DIR, or one built from ../shared where CI has it
+    beside the clone); without it the tests that use it fail with one line that says how to provide it."""
     if not os.environ.get('TIKTOKEN_CACHE_DIR') and SHARED_TOOL.is_file():
         cache = tmp_path_factory.mktemp('tiktoken')
         subprocess.run(['bash', str(SHARED_TOOL), str(cache)], check=True, capture_output=True)
@@ -86,7 +87,8 @@ def gpt2_bpe(tmp_path_factory):
     try:
         return prepare_data._gpt2_encoding()
     except ValueError as e:
-        pytest.fail(f'the GPT-2 BPE is needed: set TIKTOKEN_CACHE_DIR or provide {SHARED_TOOL} ({e})')
+        error = str(e)
+    pytest.fail(f'this test needs the real GPT-2 BPE: {error}', pytrace=False)
 
 
 # -----------------------------------------------------------------------------
