@@ -118,6 +118,29 @@ def share_cores(device):
     return note
 
 
+def resume_threads(device, threads, verbose=True):
+    """torch's threads for a run resumed on a CPU: `threads`, the count its checkpoint trained on, whatever
+    the load now, so it continues bit-exact (another count splits the sums otherwise: the losses drift).
+    Where OMP_NUM_THREADS sets another count, the user's choice stands and a
+    line says the run will not repeat the uninterrupted one. A checkpoint without a count: share_cores."""
+    if device != 'cpu':
+        return
+    if threads is None:
+        share_cores(device)
+        return
+    omp = os.environ.get('OMP_NUM_THREADS')
+    if omp is not None and omp.strip() != str(threads):
+        if verbose:
+            print(f"note: OMP_NUM_THREADS={omp} but the checkpoint trained on {threads} thread(s), so the resumed run "
+                  f"will not repeat the uninterrupted one bit for bit; OMP_NUM_THREADS={threads} would",
+                  file=sys.stderr, flush=True)
+        return
+    torch.set_num_threads(threads)
+    if verbose:
+        print(f"resuming on {threads} thread(s), the count the checkpoint trained on, for a bit-exact continuation",
+              file=sys.stderr, flush=True)
+
+
 @functools.cache
 def cpu_bf16_speedup():
     """How many times faster torch multiplies bf16 matrices than fp32 ones on this CPU (the fastest of 5

@@ -30,7 +30,7 @@ from tqdm import tqdm
 import prepare_data
 from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup,
                     estimate_mfu, fail, from_pretrained, measure_cpu_peak, peak_flops_for, pick_device, pick_dtype,
-                    read_checkpoint, read_settings, rng_key, share_cores)
+                    read_checkpoint, read_settings, resume_threads, rng_key, share_cores)
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
@@ -100,7 +100,8 @@ def train(c):
     master = rank == 0
     device = pick_device(c['device'], local_rank)
     device_type = device.split(':')[0]
-    share_cores(device)  # torch's threads on the free cores; under torchrun OMP_NUM_THREADS=1 decides
+    if c['init_from'] != 'resume':  # a resumed run takes its checkpoint's thread count (resume_threads, below)
+        share_cores(device)  # torch's threads on the free cores; under torchrun OMP_NUM_THREADS=1 decides
     if ddp:
         if device_type == 'cuda':
             torch.cuda.set_device(device)
@@ -124,6 +125,8 @@ def train(c):
         print({'scratch': "initializing a new model", 'resume': f"resuming from {ckpt_path}"}.get(
             c['init_from'], f"loading pretrained {c['init_from']}"), flush=True)
     model, ckpt = init_model(c, meta, ckpt_path)
+    if ckpt is not None:
+        resume_threads(device, ckpt.get('threads'), verbose=master)
     model_type = model_type_of(model)
     dtype = pick_dtype(c['dtype'], device_type, warn=False, n_embd=model.config.n_embd)  # 'auto' by width
     if ddp and device_type == 'cpu':  # each rank measured its own bf16 speed: all train in rank 0's choice
@@ -197,7 +200,8 @@ def train(c):
         if val_loss is not None:
             return dict(state, val_loss=val_loss)
         return dict(state, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                    best_val_loss=best_val_loss, tokens=tokens, time_s=time_before + time.time() - started)
+                    best_val_loss=best_val_loss, tokens=tokens, time_s=time_before + time.time() - started,
+                    threads=torch.get_num_threads())  # a CPU run resumes on as many, for the same sums
 
     def stop_non_finite(what, value):
         kept = (f"the last good checkpoint {ckpt_path} is kept" if os.path.isfile(ckpt_path)

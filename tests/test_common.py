@@ -257,6 +257,26 @@ def test_share_cores_leaves_a_quiet_machine_and_omp_num_threads_alone(two_thread
     assert common.share_cores('cpu') == '' and torch.get_num_threads() == 2  # the user's choice stands
 
 
+def test_a_resumed_run_takes_its_checkpoints_threads_unless_omp_num_threads_says_otherwise(two_threads, monkeypatch,
+                                                                                            capsys):
+    busy_cores(monkeypatch, 1.04)  # share_cores would pick 1
+    common.resume_threads('cpu', 2)
+    assert torch.get_num_threads() == 2
+    assert capsys.readouterr().err == ("resuming on 2 thread(s), the count the checkpoint trained on, for a bit-exact "
+                                       "continuation\n")
+    common.resume_threads('cpu', None)  # a checkpoint without the count: share_cores decides
+    assert torch.get_num_threads() == 1 and capsys.readouterr().err.startswith('note: other work keeps 1.0 of 2')
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')
+    common.resume_threads('cpu', 2)
+    assert torch.get_num_threads() == 1  # the user's choice stands, and the line says what it costs
+    assert capsys.readouterr().err == ("note: OMP_NUM_THREADS=1 but the checkpoint trained on 2 thread(s), so the "
+                                       "resumed run will not repeat the uninterrupted one bit for bit; "
+                                       "OMP_NUM_THREADS=2 would\n")
+    common.resume_threads('cpu', 1)
+    common.resume_threads('cuda:0', 2)
+    assert torch.get_num_threads() == 1
+
+
 @linux_only
 def test_share_cores_reads_the_machine(two_threads):
     """Unmocked: it reads 0.2 s of /proc/stat and picks the threads for what it read."""

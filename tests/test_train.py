@@ -101,7 +101,8 @@ def test_training_lowers_the_loss(data_root, tmp_path, model):
     checkpoint = torch.load(os.path.join(tmp_path, 'ckpt.pt'), weights_only=False)
     assert checkpoint['iter_num'] == 40 and checkpoint['model_type'] == model
     assert set(checkpoint) == {'model_type', 'model_args', 'model', 'optimizer', 'scaler', 'iter_num',
-                               'best_val_loss', 'config', 'meta', 'tokens', 'time_s'}  # no RNG state: draws are keyed
+                               'best_val_loss', 'config', 'meta', 'tokens', 'time_s', 'threads'}  # no RNG state: draws are keyed
+    assert checkpoint['threads'] == torch.get_num_threads() == 1  # a resumed CPU run takes as many
     assert checkpoint['meta']['chars'] == 'abcdefghijklmnop'
     assert not any(k.startswith('_orig_mod.') for k in checkpoint['model'])
     assert checkpoint['model_args']['vocab_size'] == VOCAB  # from meta.json
@@ -151,6 +152,35 @@ def test_init_from_gpt2_fine_tunes_gpt2s_weights_and_resumes_exactly(data_root, 
     assert full[0]['loss'] == pytest.approx(hf_loss, rel=1e-5)
     args = torch.load(tmp_path / 'full' / 'ckpt.pt', weights_only=False)['model_args']
     assert args['vocab_size'] == 50257 and args['block_size'] == 64 and args['gelu_approximate'] == 'tanh'
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores for share_cores to pick 2 threads")
+def test_resume_on_a_busier_machine_continues_bit_exact(data_root, tmp_path, monkeypatch, capsys):
+    """share_cores gives a fresh run torch's threads by the load it sees; a resumed run takes its
+    checkpoint's count instead. The run trains on 2 threads (a quiet machine) and resumes while other
+    work keeps a core busy, where share_cores would pick 1: it repeats the uninterrupted run exactly,
+    while a run on 1 thread, at this width, gives other losses."""
+    busy = {'cores': 0.0}
+    monkeypatch.delenv('OMP_NUM_THREADS')
+    monkeypatch.setattr(common, 'others_busy', lambda since: busy['cores'])
+    run = dict(n_embd=128, n_head=4, block_size=64, max_iters=6, lr_decay_iters=6, eval_interval=3)
+
+    def main(out, **overrides):
+        torch.set_num_threads(2)  # torch's default on 2 cores: share_cores gives at most as many
+        try:
+            train.main(tiny_args(data_root, tmp_path / out, 'grt', **{**run, **overrides}))
+        finally:
+            torch.set_num_threads(1)
+    main('full')
+    main('split', max_iters=3)
+    busy['cores'] = 1.0
+    main('one')
+    capsys.readouterr()
+    main('split', init_from='resume')
+    assert "resuming on 2 thread(s), the count the checkpoint trained on" in capsys.readouterr().err
+    full, split, one = (without_timing(read_log(tmp_path / out)) for out in ('full', 'split', 'one'))
+    assert split == full
+    assert one != full and torch.load(tmp_path / 'one' / 'ckpt.pt', weights_only=False)['threads'] == 1
 
 
 def test_evaluation_does_not_shift_the_training_stream(data_root, tmp_path):
