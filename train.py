@@ -174,10 +174,11 @@ def train(c):
     @torch.no_grad()
     def estimate_loss():
         """Mean loss over eval_iters fixed batches per split (the same every time), shared among the
-        ranks; its own generators, so it never shifts the training stream. A bar counts the batches."""
+        ranks; its own generators, so it never shifts the training stream. On a terminal a bar counts the batches."""
         model.eval()
         out, mine = {}, range(rank, c['eval_iters'], world)
-        with tqdm(total=2 * len(mine), leave=False, disable=not master, dynamic_ncols=True, unit='batch') as bar:
+        with tqdm(total=2 * len(mine), leave=False, disable=not (master and tty), dynamic_ncols=True,
+                  unit='batch') as bar:
             for split, source in batches.items():
                 bar.set_description(f"evaluating {split}")
                 total = torch.zeros(2, device=device)  # sum of losses, number of batches
@@ -227,8 +228,10 @@ def train(c):
     # torch.manual_seed seeds every backend, 0.3 ms a call on a CPU-only torch; a CPU has one generator
     seed = torch.default_generator.manual_seed if device_type == 'cpu' else torch.manual_seed
     log = open_log(c, iter_num) if master else None
+    tty = sys.stderr.isatty()  # else a file: the bar as a line every 30 s, no evaluation bar
     bar = tqdm(total=c['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True,
-               desc='compiling' if compiled else 'train')
+               desc='compiling' if compiled else 'train',
+               **({} if tty else dict(file=BarLines(sys.stderr), mininterval=30, maxinterval=30)))
     losses, since, window, remeasured, mfu_withheld = None, 0, [], 0, False
     started = t_log = time.time()
     x, y = get_batch(iter_num, 0)
@@ -300,6 +303,7 @@ def train(c):
                 bar.set_postfix(dict(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}",
                                      **({} if mfu is None else {'mfu': f"{100 * mfu:.1f}%"})), refresh=False)
                 if evaluating:
+                    paused = time.time()
                     losses = estimate_loss()
                     if not math.isfinite(losses['val']):
                         stop_non_finite('val loss', losses['val'])
@@ -312,6 +316,7 @@ def train(c):
                             save_checkpoint(best_path, checkpoint_state(losses['val']))
                         save_checkpoint(ckpt_path, checkpoint_state())
                         bar.set_description('train', refresh=False)
+                        bar.last_print_t += time.time() - paused  # the ETA's rate counts iterations, not this
                 if log:
                     log.write(json.dumps(record) + '\n')
                     log.flush()
@@ -502,6 +507,22 @@ def truncate_log(path, iter_num):
     with open(path + '.tmp', 'w') as f:
         f.writelines(lines)
     os.replace(path + '.tmp', path)
+
+
+class BarLines:
+    """tqdm's file where stderr is not a terminal: each redraw one line (tqdm starts a redraw with '\\r',
+    which in a file runs every update into one line)."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        text = text.strip('\r\n').rstrip()
+        if text:
+            self.file.write(text + '\n')
+
+    def flush(self):
+        self.file.flush()
 
 
 @contextmanager

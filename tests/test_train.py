@@ -7,15 +7,19 @@ train.main(argv) in-process; torchrun and Ctrl-C run as subprocesses. No test de
 the machine is.
 """
 
+import fcntl
 import glob
 import json
 import math
 import os
 import platform
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import numpy as np
@@ -391,7 +395,8 @@ def test_ckpt_is_the_latest_state_and_best_the_best_weights(data_root, tmp_path,
     assert result['iter_num'] == 16 and saved[-1] == ('ckpt.pt', 16)
 
 
-def test_the_run_says_what_it_does_and_prints_the_result_once(data_root, tmp_path, capsys):
+def test_the_run_says_what_it_does_and_prints_the_result_once(data_root, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)  # the bars a terminal shows
     train.main(tiny_args(data_root, tmp_path, 'grt', compile='auto', eval_iters=3))
     out, err = capsys.readouterr()
     assert "compile='auto': off on cpu" in out and 'compile=False' in out
@@ -399,9 +404,62 @@ def test_the_run_says_what_it_does_and_prints_the_result_once(data_root, tmp_pat
     assert out.count('iter 4: train loss') == 1 and out.count('iter 8: train loss') == 1
     assert out.index('iter 4: train loss') < out.index('iter 8: train loss') < out.index('done:')
     assert out.count('done:') == 1 and str(tmp_path / 'best.pt') in out.splitlines()[-1]
-    # no silent evaluation: a counter per split (3 batches each, shown as each split begins), and saving
+    # no silent evaluation on a terminal: a counter per split (3 batches each, shown as each split begins), and saving
     assert err.count('evaluating train:   0%') == 2 and err.count('evaluating val:  50%') == 2, err
     assert err.count('/6 [') >= 4 and err.count(f"saving {tmp_path / 'best.pt'} and {tmp_path / 'ckpt.pt'}") == 2
+
+
+def bar_rates(text):
+    """(iterations, it/s) of each redraw of the training bar in text."""
+    found = re.findall(r"train: +\d+%\|[^|]*\| *(\d+)/\d+ \[[^,]*, +([\d.]+)(it/s|s/it)", text)
+    return [(int(n), float(rate) if unit == 'it/s' else 1 / float(rate)) for n, rate, unit in found]
+
+
+def test_on_a_terminal_the_eta_counts_iterations_not_evaluations(data_root, tmp_path):
+    """A real terminal (a pty): the bar's rate right after a long evaluation (2 x 1,000 batches) is the
+    iterations' rate, as before it. tqdm's own would count the evaluation as the next iterations' time,
+    and its ETA jump (4x on 2 x 400 batches)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack('HHHH', 24, 200, 0, 0))  # 200 columns
+    args = tiny_args(data_root, tmp_path, 'gpt', max_iters=150, eval_interval=100, eval_iters=1000)
+    proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the run has ended and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=600) == 0
+    text = b''.join(chunks).decode(errors='replace')
+    assert 'evaluating train:' in text and 'evaluating val:' in text  # a terminal shows the evaluation's bar
+    rates = bar_rates(text)
+    before = [rate for n, rate in rates if 10 <= n < 100]
+    after = [rate for n, rate in rates if 100 < n < 150]
+    assert before and after, text[-3000:]
+    assert after[0] > 0.4 * before[-1], rates
+
+
+def test_written_to_a_file_the_output_is_plain_lines(data_root, tmp_path):
+    """stderr to a file: no evaluation bar and no escape codes or carriage returns, only a few whole lines
+    (the bar at each save and at the end; every 30 s in a longer run)."""
+    args = tiny_args(data_root, tmp_path / 'out', 'grt', max_iters=12, eval_interval=4)
+    with open(tmp_path / 'stderr.txt', 'w') as err:
+        proc = subprocess.run([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE, stderr=err,
+                              text=True, timeout=600)
+    assert proc.returncode == 0, (tmp_path / 'stderr.txt').read_text()[-2000:]
+    text = (tmp_path / 'stderr.txt').read_text()
+    assert '\x1b' not in text and '\r' not in text and 'evaluating' not in text, repr(text)
+    lines = text.splitlines()
+    saves = [line for line in lines if line.startswith(f"saving {tmp_path / 'out'}")]
+    assert [n for n, _ in bar_rates('\n'.join(lines))][-1] == 12
+    assert len(saves) == 3 and [line.split('|')[2].split('/')[0].strip() for line in saves] == ['4', '8', '12']
+    assert len(lines) <= 6, text  # the start, 3 saves, the end: no redraw per iteration
+    assert proc.stdout.count('train loss') == 3
 
 
 # -----------------------------------------------------------------------------
