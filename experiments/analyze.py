@@ -4,7 +4,9 @@ What a trained recurrent model does at each recurrence step, measured on validat
     python -m experiments.analyze --out_dir=out-shakespeare-char-grt            # reads out_dir/best.pt
     python -m experiments.analyze --out_dir=out-shakespeare-char-grt --img_dir=docs/img
 
-Per recurrence step r = 1 .. 2R (R the trained depth; past R the model runs deeper than trained):
+Per recurrence step r = 1 .. 2R (R the trained depth; past R the model runs deeper than trained), on
+the val batches train.py's evaluation of the run draws (the same keys: its seed and eval_iters), so the
+loss at R is the val loss training recorded:
   gate      the mean gate value g of Eq. 5 over tokens and channels (GRT only; g near 1 keeps the state)
   change    the relative state change ||h_r - h_(r-1)|| / ||h_r||, per token (norms over channels), averaged
   exit loss the val loss when the coda reads h_r (at r = R: the model's own val loss)
@@ -42,12 +44,12 @@ DEFAULTS = dict(
     data_dir='',  # '' = the checkpoint's data_dir
     analysis_dir='',  # tables go here; '' = <out_dir>/analysis
     img_dir='',  # plots go here; '' = analysis_dir
-    eval_iters=20,  # val batches, of the checkpoint's batch_size x block_size tokens
+    eval_iters=0,  # val batches, of the run's batch_size x block_size tokens; 0 = the run's eval_iters
     max_steps=0,  # recurrence steps traced; 0 = 2R
     text='',  # the heatmap's text; '' = the start of the val split
     heatmap_chars=96,  # characters (tokens) in the heatmap
     device='cpu',
-    seed=0,  # which val batches
+    seed=None,  # which val batches; None = the run's seed: with eval_iters=0, the batches training evaluated on
 )
 
 
@@ -181,10 +183,25 @@ def plot_heatmap(values, label, chars, R, title):
     return fig
 
 
+def val_loss_line(result):
+    """The val loss at R, and how it relates to the one training recorded (best.pt's; ckpt.pt records none)."""
+    line = f"Model val loss at R: {result['val_loss']:.4f}"
+    rec = result['recorded']
+    if (result['eval_iters'], result['seed']) != (rec['eval_iters'], rec['seed']):
+        line += (f", on other batches than training's evaluation ({result['eval_iters']} of seed {result['seed']} "
+                 f"against its {rec['eval_iters']} of seed {rec['seed']})")
+        return line + (f", which recorded {rec['val_loss']:.4f}." if rec['val_loss'] is not None else ".")
+    line += f", on the {rec['eval_iters']} val batches training evaluates on (seed {rec['seed']})"
+    if rec['val_loss'] is None:
+        return line + "."
+    # the same batches: only arithmetic differs (training's autocast dtype and device against fp32 here)
+    return line + f"; training recorded {rec['val_loss']:.4f} for these weights."
+
+
 def markdown(result):
     lines = [f"# {result['title']}", '',
              f"{result['tokens']:,} val tokens ({result['eval_iters']} batches). R = {result['R']}: steps past R "
-             f"run deeper than training did. Model val loss at R: {result['val_loss']:.4f}.", '',
+             f"run deeper than training did. {val_loss_line(result)}", '',
              '| step r | mean gate | at init | rel. state change | std of h_r | exit loss |', '|---|---|---|---|---|---|']
     init = result.get('init') or {}
     for r in range(len(result['change'])):
@@ -203,15 +220,18 @@ def markdown(result):
     return '\n'.join(lines) + '\n'
 
 
-def val_batches(checkpoint, data_dir, eval_iters, seed, device):
+def val_batches(checkpoint, data_dir, eval_iters, seed, device, block_size):
+    """(eval_iters val batches drawn as train.py's estimate_loss draws them, from keys (seed, 'eval', 'val', k),
+    the val token files). block_size: the model's, where the run did not set a shorter window."""
     c = checkpoint['config']
     root = os.path.join(data_dir or c.get('data_dir', 'data'), c['dataset'])
     files = prepare_data.token_files(root, 'val')
     if not files:
         fail(f"no val tokens in {root}; prepare the dataset first (python prepare_data.py --name={c['dataset']})")
     val = [prepare_data.read_tokens(p) for p in files]
-    batches = Batches(val, c['block_size'], c['batch_size'], device)
-    return [batches.get(torch.Generator().manual_seed(rng_key(seed, 'analyze', k))) for k in range(eval_iters)], val
+    batches = Batches(val, c.get('block_size') or block_size, c['batch_size'], device)
+    keys = [rng_key(seed, 'eval', 'val', k) for k in range(eval_iters)]
+    return [batches.get(torch.Generator().manual_seed(key)) for key in keys], val
 
 
 def fresh_model(checkpoint):
@@ -230,7 +250,9 @@ def analyze(c):
     max_steps = c['max_steps'] or 2 * R
     if max_steps < R:
         fail(f"max_steps={max_steps} is below the trained R = {R}; pass --max_steps={R} or more (0 = 2R)")
-    batches, val = val_batches(checkpoint, c['data_dir'], c['eval_iters'], c['seed'], c['device'])
+    run = checkpoint['config']
+    eval_iters, seed = c['eval_iters'] or run['eval_iters'], run['seed'] if c['seed'] is None else c['seed']
+    batches, val = val_batches(checkpoint, c['data_dir'], eval_iters, seed, c['device'], model.config.block_size)
     result = measure(model, batches, max_steps, desc=f"trained model, {max_steps} steps")
     init_model = fresh_model(checkpoint).to(c['device'])
     init = measure(init_model, batches[:max(1, len(batches) // 4)], max_steps, desc="the same model at init")
@@ -239,7 +261,8 @@ def analyze(c):
         title=f"{model_type_of(model)} {model.config.n_prelude}+{model.config.n_core}x{R}+{model.config.n_coda}, "
               f"iteration {checkpoint.get('iter_num')}",
         R=R, val_loss=result['exit_loss'][R - 1],  # the coda reading h_R is the model's own forward
-        eval_iters=len(batches), tokens=sum(x.numel() for x, _ in batches),
+        eval_iters=len(batches), seed=seed, tokens=sum(x.numel() for x, _ in batches),
+        recorded=dict(val_loss=checkpoint.get('val_loss'), eval_iters=run['eval_iters'], seed=run['seed']),
         init=dict(gate=init['gate'], change=init['change'], state_std=init['state_std']),
         noise_scale=dict(init=dict(e_std=init['e_std'], state_noise=noise),
                          trained=dict(e_std=result.pop('e_std'), state_noise=noise)))

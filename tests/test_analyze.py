@@ -1,6 +1,6 @@
 """analyze.py's measurements on tiny models, each against its definition written out here: the gate of
 Eq. 5, the relative state change, the exit losses (at r = R the model's own val loss), the scale of e;
-and the script end to end on a tiny checkpoint."""
+the script end to end on a tiny checkpoint, and its loss at R against the one training recorded."""
 
 import json
 import os
@@ -115,6 +115,8 @@ def char_data(tmp_path_factory):
     tokens = np.random.default_rng(0).integers(len(CHARS), size=3000)
     write_tokens(str(root / 'tiny' / 'train.bin'), tokens[:2000])
     write_tokens(str(root / 'tiny' / 'val.bin'), tokens[2000:])
+    with open(root / 'tiny' / 'meta.json', 'w') as f:
+        json.dump({'tokenizer': 'char', 'vocab_size': len(CHARS), 'chars': CHARS}, f)
     return str(root)
 
 
@@ -123,7 +125,7 @@ def test_analyze_script_end_to_end(char_data, tmp_path):
     fields = dict(vars(tiny_model('grt').config))
     torch.manual_seed(5)  # as train.py seeds before building: analyze.py rebuilds the same weights
     model = build_model('grt', **fields)
-    config = dict(dataset='tiny', data_dir=char_data, seed=5, block_size=32, batch_size=2)
+    config = dict(dataset='tiny', data_dir=char_data, seed=5, block_size=32, batch_size=2, eval_iters=2)
     out_dir = save_checkpoint(str(tmp_path / 'out'), model, 'grt', config=config)
     img_dir = str(tmp_path / 'img')
     result = analyze.main([f'--out_dir={out_dir}', '--eval_iters=2', f'--img_dir={img_dir}', '--heatmap_chars=20',
@@ -143,6 +145,29 @@ def test_analyze_script_end_to_end(char_data, tmp_path):
     assert os.path.isfile(os.path.join(img_dir, 'grt_steps.png'))
     assert os.path.isfile(os.path.join(img_dir, 'grt_heatmap.png'))
     assert os.path.isfile(os.path.join(img_dir, 'grt_heatmap_change.png'))
+
+
+def test_the_val_loss_at_r_is_the_one_training_recorded(char_data, tmp_path):
+    """By default analyze evaluates on the val batches train.py's evaluation drew (the run's seed and
+    eval_iters): its loss at R is best.pt's val_loss, and the report says so; other batches are named."""
+    import train
+    out_dir = str(tmp_path / 'run')
+    train.main([f'--data_dir={char_data}', '--dataset=tiny', f'--out_dir={out_dir}', '--model_type=grt',
+                '--n_prelude=1', '--n_core=1', '--n_coda=1', '--n_recur=3', '--n_embd=32', '--n_head=2',
+                '--block_size=16', '--batch_size=4', '--gradient_accumulation_steps=1', '--max_iters=6',
+                '--eval_interval=3', '--eval_iters=3', '--log_interval=3', '--learning_rate=3e-3',
+                '--warmup_iters=1', '--compile=False', '--dtype=float32', '--device=cpu', '--peak_flops=1e12',
+                '--seed=7'])
+    recorded = torch.load(os.path.join(out_dir, 'best.pt'), weights_only=False)['val_loss']
+    result = analyze.main([f'--out_dir={out_dir}', '--max_steps=3'])
+    assert result['eval_iters'] == 3 and result['seed'] == 7
+    assert result['val_loss'] == pytest.approx(recorded, abs=1e-6)
+    report = open(os.path.join(out_dir, 'analysis', 'analysis.md')).read()
+    assert f"training recorded {recorded:.4f} for these weights" in report
+    other = analyze.main([f'--out_dir={out_dir}', '--max_steps=3', '--seed=8'])
+    assert other['val_loss'] != pytest.approx(recorded, abs=1e-6)  # other batches, another loss
+    assert "on other batches than training's evaluation (3 of seed 8 against its 3 of seed 7)" in \
+        open(os.path.join(out_dir, 'analysis', 'analysis.md')).read()
 
 
 def test_analyze_refuses_mor_and_dense_models(tmp_path):
