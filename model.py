@@ -40,6 +40,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
     gelu_approximate: str = 'none'  # exact GELU, as nanoGPT; 'tanh': GPT-2's own (from_pretrained)
     attn_window: int = 0  # w > 0: a token attends to itself and the w - 1 tokens before it (local); 0: to all
+    position: str = 'learned'  # 'learned': GPT-2's absolute position embedding wpe; 'none': no positions
 
     def __post_init__(self):
         check(min(self.block_size, self.vocab_size, self.n_head, self.n_embd) >= 1,
@@ -48,6 +49,7 @@ class GPTConfig:
               f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): pick one of its divisors")
         check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.attn_window >= 0, f"attn_window must be >= 0 (0: every earlier token), got {self.attn_window}")
+        check(self.position in ('learned', 'none'), f"position must be 'learned' or 'none', got {self.position!r}")
         check(self.gelu_approximate in ('none', 'tanh'),
               f"gelu_approximate must be 'none' (exact GELU) or 'tanh', got {self.gelu_approximate!r}")
 
@@ -183,7 +185,7 @@ class LanguageModel(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd) if config.position == 'learned' else None,
             drop=nn.Dropout(config.dropout),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
@@ -210,7 +212,8 @@ class LanguageModel(nn.Module):
         """Unique parameters (the tied head once); non_embedding leaves out both embedding tables."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+            n -= sum(p.numel() for table in (self.transformer.wte, self.transformer.wpe) if table is not None
+                     for p in table.parameters())
         return n
 
     def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
@@ -225,8 +228,10 @@ class LanguageModel(nn.Module):
         start = kv_cache[0].length if kv_cache else 0  # the cached tokens come first
         end = start + idx.size(1)
         check(end <= self.config.block_size, f"sequence of {end} tokens exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, end, dtype=torch.long, device=idx.device)  # shape (T)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx)
+        if self.transformer.wpe is not None:  # position 'none': order only from the causal mask
+            x = x + self.transformer.wpe(torch.arange(start, end, dtype=torch.long, device=idx.device))
+        return self.transformer.drop(x)
 
     def head(self, x, targets=None):
         x = self.transformer.ln_f(x)

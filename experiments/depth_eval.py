@@ -2,14 +2,19 @@
 Accuracy of a model trained on a depth task (experiments/depth_tasks.py), by difficulty and test-time
 recurrence steps R:
 
-    python -m experiments.depth_eval --out_dir=out-depth-grt                    # reads out_dir/best.pt
-    python -m experiments.depth_eval --out_dir=out-depth-grt --steps=1,2,4,8,16,32 --max_difficulty=12
+    python -m experiments.depth_eval --out_dir=out-depth-grt-local             # reads out_dir/best.pt
+    python -m experiments.depth_eval --out_dir=out-depth-grt-local --split=dev --steps=1,2,4,8,16,32
 
-For each difficulty d = 1 .. max_difficulty (default 3D, the model trained on 1..D) a fixed eval set
-of `examples` sequences, every query needing exactly d steps, the same for every model; the accuracy of
-the argmax prediction at the answers that need d steps, at each R of --steps and the trained R
-(model(x, num_steps=R)).
-A dense model has no R: one column. Prints the table, writes <out_dir>/depth_eval.png (accuracy
+The protocol: a model trained on difficulties 1..D is scored on four splits of difficulties, each drawn
+from its own fixed seeds, so that choices made on one never see another's sequences:
+    train    1 .. D           seeds 10000 + d
+    dev      D+1 .. D+2       seeds 20000 + d   (5, 6 at D = 4): every training choice is made here
+    test     D+3 .. 3D        seeds 30000 + d   (7 .. 12): reported, never used to choose
+    stretch  3D+1 .. 6D       seeds 40000 + d   (13 .. 24), cut at the task's largest difficulty
+At difficulty d an eval set is `examples` sequences whose queries all need exactly d steps; the
+accuracy of the argmax prediction at those answers, at each R of --steps and the trained R
+(model(x, num_steps=R)). A dense model has no R: one column. The best R is the one of the highest mean
+dev accuracy (the smallest such R). Prints the table, writes <out_dir>/depth_eval.png (accuracy
 against difficulty, a line per R) when matplotlib is installed, and prints a JSON line last.
 """
 
@@ -18,7 +23,7 @@ import os
 
 import torch
 
-from common import fail, load_model, pick_device, read_settings, rng_key
+from common import fail, load_model, pick_device, read_settings
 from experiments.analyze import trace
 from experiments.depth_tasks import TaskBatches, make_task
 from model import GRT, RecurrentLM
@@ -28,25 +33,48 @@ DEFAULTS = dict(
     out_dir='',  # a train.py out_dir whose run trained on a depth task (dataset='task:NAME')
     ckpt='best.pt',  # 'best.pt' (best val loss) or 'ckpt.pt' (the latest)
     steps='1,2,4,8,16',  # test-time recurrence steps R (recurrent models)
-    max_difficulty=0,  # difficulties 1 .. this; 0 = 3 x the trained difficulty D
+    split='train,dev,test',  # comma-separated, from train, dev, test, stretch (the protocol above)
     examples=128,  # sequences per difficulty
     device='auto',
 )
 
 
-def eval_set(task, d, examples, device):
-    """examples sequences whose queries all need d steps: (x, y, steps), fixed by (task, d) alone."""
-    gen = torch.Generator().manual_seed(rng_key('depth_eval', type(task).__name__, task.block_size, d))
+SPLIT_SEEDS = dict(train=10_000, dev=20_000, test=30_000, stretch=40_000)  # difficulty d: seed + d
+
+
+def split_difficulties(split, D, task):
+    """The difficulties of a split for a model trained on 1..D, within the task's largest."""
+    lo, hi = dict(train=(1, D), dev=(D + 1, D + 2), test=(D + 3, 3 * D), stretch=(3 * D + 1, 6 * D))[split]
+    return list(range(lo, min(hi, task.max_difficulty) + 1))
+
+
+def parse_splits(text, D, task):
+    """{split: [difficulties]} in the order given; one line if a name is unknown or a split is empty."""
+    names = [s for s in text.split(',') if s]
+    unknown = [s for s in names if s not in SPLIT_SEEDS]
+    if unknown or not names:
+        fail(f"split must be comma-separated names from {', '.join(SPLIT_SEEDS)}, e.g. --split=dev; got {text!r}")
+    splits = {s: split_difficulties(s, D, task) for s in names}
+    for s, ds in splits.items():
+        if not ds:
+            fail(f"split {s} is empty: {type(task).__name__} at block_size {task.block_size} has difficulties "
+                 f"up to {task.max_difficulty}; leave it out of --split")
+    return splits
+
+
+def eval_set(task, d, examples, device, split='test'):
+    """examples sequences whose queries all need d steps: (x, y, steps), fixed by (task, split, d)."""
+    gen = torch.Generator().manual_seed(SPLIT_SEEDS[split] + d)
     return TaskBatches(task, examples, device, d, d).sample(gen)
 
 
 @torch.no_grad()
-def accuracy_table(model, task, difficulties, steps, examples, device):
-    """{d: {R: accuracy}} at the answers that need exactly d steps (R None: the model's own depth);
-    and {d: number of those answers}."""
+def accuracy_table(model, task, difficulties, steps, examples, device, split='test'):
+    """{d: {R: accuracy}} at the answers that need exactly d steps (R None: the model's own depth) on
+    the split's eval sets; and {d: number of those answers}."""
     table, answers = {}, {}
     for d in difficulties:
-        x, y, need = eval_set(task, d, examples, device)
+        x, y, need = eval_set(task, d, examples, device, split)
         scored = need == d
         answers[d] = int(scored.sum())
         table[d] = {}
@@ -62,7 +90,7 @@ def mean_gates(model, task, d, steps, examples, device):
     other models. Near 1 the step keeps the state: the recurrence is switched off."""
     if not isinstance(model, GRT):
         return None
-    x, _, _ = eval_set(task, d, examples, device)
+    x, _, _ = eval_set(task, d, examples, device, 'train')
     with trace(model) as record:
         model(x, num_steps=steps)
     return [round(g.mean().item(), 4) for g in record['gates']]
@@ -116,10 +144,10 @@ def parse_steps(text):
     return steps
 
 
-def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficulty=0, examples=128,
+def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', split='train,dev,test', examples=128,
                         device='cpu'):
-    """The record depth_eval prints last: the run, its task, and accuracy[i][j] at difficulties[i] and
-    steps[j] (steps [None] for a dense model)."""
+    """The record depth_eval prints last: the run, its task, the splits' difficulties, accuracy[i][j]
+    at difficulties[i] and steps[j] (steps [None] for a dense model), and the best R on dev."""
     model, checkpoint = load_model('resume', out_dir, device, ckpt)
     trained = checkpoint['config']
     if not str(trained.get('dataset', '')).startswith('task:'):
@@ -127,15 +155,37 @@ def evaluate_checkpoint(out_dir, ckpt='best.pt', steps='1,2,4,8,16', max_difficu
              f"train one with e.g. `python train.py config/depth/grt.py`")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     D = trained['difficulty']
-    difficulties = list(range(1, (max_difficulty or 3 * D) + 1))
+    splits = parse_splits(split, D, task)
     recurrent = isinstance(model, RecurrentLM)
     depths = sorted(set(parse_steps(steps)) | {model.config.n_recur}) if recurrent else [None]  # and the trained R
-    table, answers = accuracy_table(model, task, difficulties, depths, examples, device)
-    return dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
-                trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,
-                steps=depths, difficulties=difficulties, answers=[answers[d] for d in difficulties],
-                accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties],
-                gate=mean_gates(model, task, D, max(depths) if recurrent else None, examples, device))
+    table, answers = {}, {}
+    for s, ds in splits.items():
+        t, a = accuracy_table(model, task, ds, depths, examples, device, s)
+        table.update(t), answers.update(a)
+    difficulties = [d for ds in splits.values() for d in ds]
+    record = dict(out_dir=out_dir, ckpt=ckpt, task=trained['dataset'], model_type=model_type_of(model),
+                  trained_difficulty=D, trained_R=model.config.n_recur if recurrent else None, chance=task.chance,
+                  examples=examples, splits=splits, steps=depths, difficulties=difficulties,
+                  answers=[answers[d] for d in difficulties],
+                  accuracy=[[round(a, 4) for a in table[d].values()] for d in difficulties],
+                  gate=mean_gates(model, task, D, max(depths) if recurrent else None, examples, device))
+    record['best_R'] = best_steps(record)
+    return record
+
+
+def split_means(record, split):
+    """{R: mean accuracy over the split's difficulties} of a record."""
+    rows = [row for d, row in zip(record['difficulties'], record['accuracy']) if d in record['splits'][split]]
+    return {r: sum(col) / len(col) for r, col in zip(record['steps'], zip(*rows))}
+
+
+def best_steps(record):
+    """The R of the highest mean dev accuracy, the smallest of equals (None for a dense model or
+    without a dev split)."""
+    if record['steps'] == [None] or 'dev' not in record['splits']:
+        return None
+    means = split_means(record, 'dev')
+    return max(means, key=lambda r: (means[r], -r))
 
 
 def as_table(record):
@@ -147,13 +197,18 @@ def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     if not c['out_dir']:
         fail("give --out_dir=DIR, a train.py out_dir trained on a depth task (e.g. out-depth-grt)")
-    record = evaluate_checkpoint(c['out_dir'], c['ckpt'], c['steps'], c['max_difficulty'], c['examples'],
+    record = evaluate_checkpoint(c['out_dir'], c['ckpt'], c['steps'], c['split'], c['examples'],
                                  pick_device(c['device'], 0))
     D, R = record['trained_difficulty'], record['trained_R']
     print(f"{record['task']}, {record['model_type']} trained on difficulties 1..{D}"
           f"{f' with R = {R}' if R else ''}: accuracy at the answers that need exactly d steps "
           f"(chance {record['chance']:.3f}), {c['examples']} sequences a difficulty")
     print('\n'.join(table_lines(as_table(record), dict(zip(record['difficulties'], record['answers'])), D)))
+    for s in record['splits']:
+        means = ' '.join(f"{'R=' + str(r) if r else 'dense'} {a:.3f}" for r, a in split_means(record, s).items())
+        print(f"mean over {s} (d = {record['splits'][s][0]}..{record['splits'][s][-1]}): {means}")
+    if record['best_R']:
+        print(f"best R on dev: {record['best_R']}")
     if record['gate']:
         gates = ' '.join(f'{g:.3f}' for g in record['gate'])
         print(f"mean gate g at steps 1..{len(record['gate'])} (difficulty {D}): {gates}")

@@ -1,12 +1,14 @@
 """
-Does test-time depth solve harder problems? Issue 19's comparison, with one resumable command:
+Does test-time depth solve harder problems? The comparison over models and seeds, with one resumable command:
 
     python -m experiments.depth_study                                   # S3 running products, eight models, one seed
-    python -m experiments.depth_study --tasks=compose,pointer,sum --jobs=2
+    python -m experiments.depth_study --models=grt_local --seeds=8 --jobs=2 --out_dir=results/depth/compose
+    python -m experiments.depth_study --models=grt_local --seeds=2 --split=train,dev --variant=bias-3 \
+        --overrides='--gate_bias=-3' --out_dir=results/depth/dev       # a training choice, measured on dev alone
     python -m experiments.depth_study --tasks=pointer --max_iters=5 --examples=8 --out_dir=/tmp/depth-dry
 
-Eight models, each trained on a depth task's difficulties 1..D and evaluated on 1..3D at several
-test-time R (experiments/depth_eval.py):
+Eight models, each trained on a depth task's difficulties 1..D and evaluated on the splits of
+experiments/depth_eval.py (train 1..D, dev D+1..D+2, test D+3..3D, stretch 3D+1..6D) at several test-time R:
   grt               the GRT as the paper trains it, 1 + 1x8 + 1, r ~ U{1..8} (config/depth/grt.py)
   grt_fixed         the GRT at a fixed r = R = 5, gate bias 0 (config/depth/grt_fixed.py)
   grt_local         the GRT with local attention (a token and the one before), 1 + 1x4 + 1, heavy-tailed r,
@@ -17,12 +19,13 @@ test-time R (experiments/depth_eval.py):
   gpt_flops_local   gpt_flops with grt_local's local attention (config/depth/gpt_flops_local.py)
   huginn            Huginn at the GRT's layout and about its training FLOPs (config/depth/huginn.py)
 
-Each run is `python train.py config/depth/<model>.py --dataset=task:<task> --seed=S ...`, kept in
-<out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt, best.pt). A run with depth.json (its evaluation
-of best.pt) is done and never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C
-and rerun loses at most one evaluation interval. At the end it writes <out_dir>/RESULTS.md (the
-models, then per task the runs with a GRT's mean gate, and accuracy by model and R against difficulty)
-and <out_dir>/<task>.png.
+Each run is `python train.py config/depth/<model>.py --dataset=task:<task> --seed=S ... <overrides>`, kept
+in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt, best.pt; not committed). Its evaluation of
+best.pt, with its settings, goes to <out_dir>/seeds/<run>.json (committed): a run with one is done and
+never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C and rerun loses at most one
+evaluation interval. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
+out): the models, per task each run's best R on dev and its split means there, the mean and lowest seed
+per model, and accuracy by model and R against difficulty; and <out_dir>/<task>.png.
 """
 
 import json
@@ -38,7 +41,7 @@ import torch
 import train
 from common import fail, read_settings
 from config import parse_config
-from experiments.depth_eval import evaluate_checkpoint, plot_lines
+from experiments.depth_eval import evaluate_checkpoint, plot_lines, split_means
 from experiments.depth_tasks import TASKS, make_task
 from experiments.study import mean_train_flops
 from model import RecurrentLM
@@ -51,9 +54,13 @@ DEFAULTS = dict(
     seeds=1,
     max_iters=0,  # iterations of a run; 0 = the configs' (config/depth/recipe.py)
     difficulty=0,  # train on 1..D; 0 = the configs' D
-    steps='1,2,4,8,16',  # test-time R of the recurrent models
+    steps='1,2,4,8,16,32,64',  # test-time R of the recurrent models
+    split='train,dev,test,stretch',  # the splits evaluated (experiments/depth_eval.py); choose on dev alone
     examples=128,  # eval sequences per difficulty
+    variant='',  # a name for overrides, part of each run's name
+    overrides='',  # train.py settings added to every run, e.g. '--gate_bias=-3 --gate_noise=0'
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
+    threads=0,  # torch threads a run; 0 = the cores shared equally among the jobs
 )
 CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'gpt_params', 'gpt_flops',
                                                          'gpt_params_local', 'gpt_flops_local', 'huginn')}
@@ -84,11 +91,22 @@ def plan(c):
         fail(f"unknown or no tasks/models {unknown}; tasks from {', '.join(TASKS)}, models from {', '.join(CONFIGS)}")
     recipe = run_settings(models[0])
     iters, D = c['max_iters'] or recipe['max_iters'], c['difficulty'] or recipe['difficulty']
+    if bool(c['variant']) != bool(c['overrides']):
+        fail("give --variant=NAME and --overrides='--key=value ...' together (the name goes into each run's)")
     return [(t, m, s) for t in tasks for m in models for s in range(c['seeds'])], iters, D
 
 
+def run_name(c, task, model, seed, iters, D):
+    return f"{task}-D{D}-{model}{'+' + c['variant'] if c['variant'] else ''}-{iters}it-s{seed}"
+
+
 def run_dir(c, task, model, seed, iters, D):
-    return os.path.join(c['out_dir'], 'runs', f"{task}-D{D}-{model}-{iters}it-s{seed}")
+    return os.path.join(c['out_dir'], 'runs', run_name(c, task, model, seed, iters, D))
+
+
+def record_path(c, task, model, seed, iters, D):
+    """Where a run's evaluation is kept, committed beside RESULTS.md (runs/ is not)."""
+    return os.path.join(c['out_dir'], 'seeds', run_name(c, task, model, seed, iters, D) + '.json')
 
 
 def train_run(c, task, model, seed, iters, D):
@@ -98,8 +116,8 @@ def train_run(c, task, model, seed, iters, D):
     resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
     cmd = [sys.executable, 'train.py', CONFIGS[model], f'--dataset=task:{task}', f'--difficulty={D}',
            f'--seed={seed}', f'--max_iters={iters}', f'--out_dir={out}',
-           f"--init_from={'resume' if resume else 'scratch'}"]
-    threads = max(1, (os.cpu_count() or 1) // c['jobs'])
+           f"--init_from={'resume' if resume else 'scratch'}"] + c['overrides'].split()
+    threads = c['threads'] or max(1, (os.cpu_count() or 1) // c['jobs'])
     with open(os.path.join(out, 'train.log'), 'a') as log:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -109,14 +127,17 @@ def train_run(c, task, model, seed, iters, D):
 
 
 def evaluate_run(c, task, model, seed, iters, D):
-    """The run's depth_eval record with its training time, kept in depth.json."""
+    """The run's depth_eval record with its settings and training time, kept in <out_dir>/seeds/<run>.json."""
     out = run_dir(c, task, model, seed, iters, D)
-    path = os.path.join(out, 'depth.json')
+    path = record_path(c, task, model, seed, iters, D)
     if not os.path.isfile(path):
-        record = evaluate_checkpoint(out, 'best.pt', c['steps'], 3 * D, c['examples'], 'cpu')
+        record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], 'cpu')
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
-        record.update(model=model, seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
+        record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
+                      seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
+                      ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
                       best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + '.tmp', 'w') as f:
             json.dump(record, f)
         os.replace(path + '.tmp', path)
@@ -133,30 +154,32 @@ def mean_rows(records):
     rows = {}
     for r in records:
         for j, steps in enumerate(r['steps']):
-            rows.setdefault((r['model'], steps), []).append([acc[j] for acc in r['accuracy']])
-    models = list(dict.fromkeys(r['model'] for r in records))
+            rows.setdefault((label(r), steps), []).append([acc[j] for acc in r['accuracy']])
+    models = list(dict.fromkeys(label(r) for r in records))
     order = sorted(rows, key=lambda key: (models.index(key[0]), key[1] or 0))  # by model, then R ascending
     return {key: [statistics.fmean(col) for col in zip(*rows[key])] for key in order}
 
 
-def accuracy_markdown(records, D):
-    """Markdown: a row per model and R, a column per difficulty, and the means within and beyond 1..D."""
-    difficulties = records[0]['difficulties']
-    lines = ['| model | R | ' + ' | '.join(f'd={d}' for d in difficulties) + f' | mean 1..{D} | mean > {D} |',
-             '|---|---|' + '---|' * (len(difficulties) + 2)]
+def accuracy_markdown(records):
+    """Markdown: a row per model and R, a column per difficulty, and the mean over each split."""
+    difficulties, splits = records[0]['difficulties'], records[0]['splits']
+    lines = ['| model | R | ' + ' | '.join(f'd={d}' for d in difficulties) + ' | ' +
+             ' | '.join(f'{s} {ds[0]}..{ds[-1]}' for s, ds in splits.items()) + ' |',
+             '|---|---|' + '---|' * (len(difficulties) + len(splits))]
     for (model, steps), accuracy in mean_rows(records).items():
-        cells = ' | '.join(f'{a:.3f}' for a in accuracy)
-        lines.append(f"| {model} | {steps or 'dense'} | {cells} | {statistics.fmean(accuracy[:D]):.3f} | "
-                     f"{statistics.fmean(accuracy[D:]):.3f} |")
+        by_d = dict(zip(difficulties, accuracy))
+        means = [statistics.fmean(by_d[d] for d in ds) for ds in splits.values()]
+        lines.append(f"| {model} | {steps or 'dense'} | {' | '.join(f'{a:.3f}' for a in accuracy)} | "
+                     f"{' | '.join(f'{m:.3f}' for m in means)} |")
     return lines
 
 
-def models_table(c, task):
+def models_table(models, task):
     grt = model_of('grt', task)
     seq_len = grt.config.block_size
     lines = ['| model | config | layout | non-embedding params | train FLOPs/token | x GRT |',
              '|---|---|---|---|---|---|']
-    for name in [m for m in c['models'].split(',') if m]:
+    for name in models:
         m = model_of(name, task)
         layout = (f"{m.config.n_prelude}+{m.config.n_core}x{m.config.n_recur}+{m.config.n_coda}"
                   if isinstance(m, RecurrentLM) else f"{m.config.n_layer} layers")
@@ -170,44 +193,92 @@ def plot_task(records, D, path):
     """Accuracy against difficulty, a colour per model: the dense models, and each recurrent one at its
     trained R (solid) and its largest (dashed)."""
     rows = mean_rows(records)
-    trained = {r['model']: r['trained_R'] for r in records}
-    colors = {model: f'C{i}' for i, model in enumerate(dict.fromkeys(r['model'] for r in records))}
+    trained = {label(r): r['trained_R'] for r in records}
+    colors = {model: f'C{i}' for i, model in enumerate(dict.fromkeys(label(r) for r in records))}
     lines, styles = {}, {}
     for (model, steps), accuracy in rows.items():
         deepest = max(s for m, s in rows if m == model) if steps else None
         if steps in (None, trained[model], deepest):
-            label = model if steps is None else f"{model}, R = {steps}"
-            lines[label] = accuracy
-            styles[label] = dict(color=colors[model], ls='--' if steps and steps != trained[model] else '-')
+            name = model if steps is None else f"{model}, R = {steps}"
+            lines[name] = accuracy
+            styles[name] = dict(color=colors[model], ls='--' if steps and steps != trained[model] else '-')
     return plot_lines(path, f"{records[0]['task']}: trained on difficulties 1..{D}", records[0]['difficulties'],
                       lines, records[0]['chance'], D, styles)
 
 
-def runs_table(records):
-    """A row per run; a GRT's mean gate at its first step and at its trained R (difficulty D)."""
+def label(r):
+    return r['model'] + ('+' + r['variant'] if r.get('variant') else '')
+
+
+def at_best(record, split, factor=1):
+    """Mean accuracy over a split at factor x the run's best R on dev (a dense model: its one
+    column); None where the split or that R was not evaluated."""
+    if split not in record['splits']:
+        return None
+    R = record['best_R'] and record['best_R'] * factor
+    return split_means(record, split).get(R)
+
+
+def seeds_table(records):
+    """A row per run, every seed: its best R on dev and the split means there, the test mean at 4x
+    that R (overthinking), and a GRT's mean gate at step 1 and at its trained R (difficulty D)."""
+    def cell(v):
+        return '' if v is None else f'{v:.3f}'
+
     def gate(r):
         return f"{r['gate'][0]:.3f} / {r['gate'][r['trained_R'] - 1]:.3f}" if r.get('gate') else ''
-    lines = ['| model | seed | iterations | best val loss | training time (s) | gate at step 1 / R |',
-             '|---|---|---|---|---|---|']
-    lines += [f"| {r['model']} | {r['seed']} | {r['iters']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
-              f"{gate(r)} |" for r in records]
+    lines = ['| model | seed | best val loss | training time (s) | best R (dev) | train | dev | test | stretch | '
+             'test at 4R | gate at step 1 / R |', '|---|---|---|---|---|---|---|---|---|---|---|']
+    lines += [f"| {label(r)} | {r['seed']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
+              f"{r['best_R'] or 'dense'} | {cell(at_best(r, 'train'))} | {cell(at_best(r, 'dev'))} | "
+              f"{cell(at_best(r, 'test'))} | {cell(at_best(r, 'stretch'))} | "
+              f"{cell(at_best(r, 'test', 4) if r['best_R'] else None)} | {gate(r)} |" for r in records]
     return lines
+
+
+def summary_table(records):
+    """Per model over its seeds: the mean and the lowest seed of each split at each seed's best R."""
+    lines = ['| model | seeds | train mean (min) | dev mean (min) | test mean (min) | stretch mean (min) |',
+             '|---|---|---|---|---|---|']
+    for name in dict.fromkeys(label(r) for r in records):
+        mine = [r for r in records if label(r) == name]
+        cells = []
+        for split in ('train', 'dev', 'test', 'stretch'):
+            values = [v for v in (at_best(r, split) for r in mine) if v is not None]
+            cells.append(f'{statistics.fmean(values):.3f} ({min(values):.3f})' if values else '')
+        lines.append(f"| {name} | {len(mine)} | {' | '.join(cells)} |")
+    return lines
+
+
+def all_records(c, runs, iters, D):
+    """Every run evaluated in out_dir (its seeds/*.json): this command's in its order, then earlier
+    ones' by name; none is left out."""
+    folder = os.path.join(c['out_dir'], 'seeds')
+    mine = [record_path(c, *run, iters, D) for run in runs]
+    others = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith('.json'))
+    return [json.load(open(path)) for path in mine + [p for p in others if p not in mine]]
 
 
 def write_report(c, records, D, wall_s):
     tasks = list(dict.fromkeys(r['task'] for r in records))
     lines = ['# Depth study', '',
-             f"Trained on difficulties 1..{D}, evaluated on 1..{3 * D}: the accuracy at the answers that need "
-             f"exactly d steps, {c['examples']} sequences a difficulty, the mean over {c['seeds']} seed(s). "
-             f"`python -m experiments.depth_study` took {wall_s / 60:.1f} min this time (runs already done are "
-             f"not redone).", '',
+             f"Trained on difficulties 1..{D}, evaluated on the splits of experiments/depth_eval.py (train 1..D, "
+             f"dev D+1..D+2, test D+3..3D, stretch 3D+1..6D, each from its own seeds): the accuracy at the answers "
+             f"that need exactly d steps, {c['examples']} sequences a difficulty. Every run in seeds/ (one JSON "
+             f"a run, with its settings) is here. The last `python -m experiments.depth_study` into this folder "
+             f"took {wall_s / 60:.1f} min (runs already done are not redone).", '',
              '## Models', '', 'Training FLOPs a token, LM head excluded, at the depths training draws.', '']
-    lines += models_table(c, tasks[0].removeprefix('task:')) + ['']
+    lines += models_table(list(dict.fromkeys(r['model'] for r in records)), tasks[0].removeprefix('task:')) + ['']
+    variants = {label(r): r['overrides'] for r in records if r.get('variant')}
+    if variants:
+        lines += ['Variants: ' + '; '.join(f"{name}: `{o}`" for name, o in variants.items()), '']
     for task in tasks:
         mine = [r for r in records if r['task'] == task]
         name = task.removeprefix('task:')
-        lines += [f'## {name} (chance {mine[0]["chance"]:.3f})', ''] + runs_table(mine) + ['']
-        lines += accuracy_markdown(mine, D) + ['']
+        lines += [f'## {name} (chance {mine[0]["chance"]:.3f})', '',
+                  'Every seed; each run\'s R is chosen on dev alone, the other splits read at that R.', '']
+        lines += summary_table(mine) + [''] + seeds_table(mine) + ['']
+        lines += ['The mean over seeds at each R:', ''] + accuracy_markdown(mine) + ['']
         if plot_task(mine, D, os.path.join(c['out_dir'], f'{name}.png')):
             lines += [f'![{name}]({name}.png)', '']
     with open(os.path.join(c['out_dir'], 'RESULTS.md'), 'w') as f:
@@ -220,15 +291,14 @@ def main(argv=None):
         fail(f"jobs and seeds must be at least 1; got {c['jobs']} and {c['seeds']}")
     runs, iters, D = plan(c)
     t0 = time.time()
-    todo = [run for run in runs if not os.path.isfile(os.path.join(run_dir(c, *run, iters, D), 'depth.json'))]
+    todo = [run for run in runs if not os.path.isfile(record_path(c, *run, iters, D))]
     print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish", flush=True)
     with ThreadPoolExecutor(c['jobs']) as pool:
         list(pool.map(lambda run: train_run(c, *run, iters, D), todo))
-    records = []
     for run in runs:
-        records.append(evaluate_run(c, *run, iters, D))
-        print(f"{os.path.basename(run_dir(c, *run, iters, D))}: evaluated", flush=True)
-    write_report(c, records, D, time.time() - t0)
+        evaluate_run(c, *run, iters, D)
+        print(f"{run_name(c, *run, iters, D)}: evaluated", flush=True)
+    write_report(c, all_records(c, runs, iters, D), D, time.time() - t0)
     print(f"wrote {os.path.join(c['out_dir'], 'RESULTS.md')}")
 
 

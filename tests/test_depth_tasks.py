@@ -176,12 +176,44 @@ def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     record = json.loads(lines[-1])
     assert record['difficulties'] == [1, 2, 3, 4, 5, 6] and record['steps'] == [1, 3, 4]  # and the trained R = 3
+    assert record['splits'] == {'train': [1, 2], 'dev': [3, 4], 'test': [5, 6]}  # the default: no stretch
     assert record['trained_difficulty'] == 2 and record['trained_R'] == 3 and record['model_type'] == 'grt'
-    table, _ = depth_eval.accuracy_table(model, task, record['difficulties'], [1, 3, 4], 2, 'cpu')
+    table = {}
+    for split, ds in record['splits'].items():  # each split scored on its own eval sets
+        table.update(depth_eval.accuracy_table(model, task, ds, [1, 3, 4], 2, 'cpu', split)[0])
     assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 3, 4)] for d in record['difficulties']]
+    dev = {r: (table[3][r] + table[4][r]) / 2 for r in (1, 3, 4)}
+    assert record['best_R'] == max((1, 3, 4), key=lambda r: (dev[r], -r))
     assert len(record['gate']) == 4 and any(line.startswith('mean gate g at steps 1..4') for line in lines)
     assert any('beyond training (d > 2)' in line for line in lines)
     assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
+
+
+def test_the_splits_are_disjoint_in_seed_and_difficulty():
+    """At D = 4: train 1..4, dev 5-6, test 7..12, stretch 13..24 (pointer's cut at its 15); no seed
+    serves two splits, and one difficulty drawn for two splits gives different sequences."""
+    compose, pointer = make_task('compose', BLOCK), make_task('pointer', BLOCK)
+    splits = depth_eval.parse_splits('train,dev,test,stretch', 4, compose)
+    assert splits == {'train': [1, 2, 3, 4], 'dev': [5, 6], 'test': list(range(7, 13)),
+                      'stretch': list(range(13, 25))}
+    assert depth_eval.parse_splits('stretch', 4, pointer) == {'stretch': [13, 14, 15]}
+    seeds = [depth_eval.SPLIT_SEEDS[s] + d for s in depth_eval.SPLIT_SEEDS for d in range(1, compose.max_difficulty + 1)]
+    assert len(set(seeds)) == len(seeds)
+    dev, test = depth_eval.eval_set(compose, 5, 4, 'cpu', 'dev'), depth_eval.eval_set(compose, 5, 4, 'cpu', 'test')
+    assert not torch.equal(dev[0], test[0]) and int(dev[2].max()) == int(test[2].max()) == 5
+    with pytest.raises(SystemExit, match='split must be'):
+        depth_eval.parse_splits('dev,holdout', 4, compose)
+    with pytest.raises(SystemExit, match='split stretch is empty'):
+        depth_eval.parse_splits('stretch', 6, pointer)  # 19..36 is past pointer's 15
+
+
+def test_the_best_R_is_chosen_on_dev_alone():
+    """Where test would pick another R, the dev split decides; equal dev means pick the smaller R."""
+    record = dict(steps=[1, 2, 4], splits={'dev': [5], 'test': [7]}, difficulties=[5, 7],
+                  accuracy=[[0.2, 0.9, 0.9], [0.2, 0.3, 0.8]])
+    assert depth_eval.best_steps(record) == 2
+    assert depth_eval.split_means(record, 'test') == {1: 0.2, 2: 0.3, 4: 0.8}
+    assert depth_eval.best_steps(dict(record, steps=[None], accuracy=[[0.5], [0.5]])) is None
 
 
 def test_the_gate_is_eq_5_at_every_step():
@@ -193,7 +225,7 @@ def test_the_gate_is_eq_5_at_every_step():
     model = scramble(build_model('grt', n_embd=32, n_head=2, block_size=BLOCK, vocab_size=task.vocab_size,
                                  n_prelude=1, n_core=1, n_recur=3, n_coda=1, gate_tau=2.0)).eval()
     gates = depth_eval.mean_gates(model, task, 2, 5, 2, 'cpu')
-    x, _, _ = depth_eval.eval_set(task, 2, 2, 'cpu')
+    x, _, _ = depth_eval.eval_set(task, 2, 2, 'cpu', 'train')
     expected = []
     with torch.no_grad():
         e = model.transformer.prelude[0](model.transformer.wte(x) + model.transformer.wpe(torch.arange(BLOCK)))
@@ -263,14 +295,57 @@ def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monk
                                            ('config/depth/gpt_params.py', 'task:sum', '2', '5', 'scratch')]
     report = open(tmp_path / 'RESULTS.md').read()
     rows = ['| grt | 1 |', '| grt | 3 |', '| grt | 4 |', '| gpt_params | dense |']  # the trained R = 3 added
-    assert sorted(rows, key=report.index) == rows  # by model, then R ascending
+    accuracy = report.split('The mean over seeds at each R')[1]
+    assert sorted(rows, key=accuracy.index) == rows  # by model, then R ascending
     assert '| grt | `config/depth/grt.py` | 1+1x8+1 |' in report
-    gate = json.load(open(tmp_path / 'runs' / 'sum-D2-grt-5it-s0' / 'depth.json'))['gate']
-    assert f"| grt | 0 | 5 | 2.0000 | 2 | {gate[0]:.3f} / {gate[2]:.3f} |" in report  # the gate at step 1 and R
-    assert '| d=6 | mean 1..2 | mean > 2 |' in report and os.path.getsize(tmp_path / 'sum.png') > 0
+    record = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))  # one JSON a run, every split
+    assert record['seed'] == 0 and record['config'] == 'config/depth/grt.py' and record['overrides'] == ''
+    assert record['splits'] == {'train': [1, 2], 'dev': [3, 4], 'test': [5, 6], 'stretch': [7, 8, 9, 10, 11, 12]}
+    R, gate = record['best_R'], record['gate']
+    means = {s: depth_study.split_means(record, s)[R] for s in record['splits']}
+    four = depth_study.split_means(record, 'test').get(4 * R)  # R = 1: 4 is evaluated; R = 3 or 4: 4R is not
+    assert (f"| grt | 0 | 2.0000 | 2 | {R} | {means['train']:.3f} | {means['dev']:.3f} | {means['test']:.3f} | "
+            f"{means['stretch']:.3f} | {'' if four is None else f'{four:.3f}'} | {gate[0]:.3f} / {gate[2]:.3f} |") in report
+    assert '| d=12 | train 1..2 | dev 3..4 | test 5..6 | stretch 7..12 |' in report
+    assert os.path.getsize(tmp_path / 'sum.png') > 0
     depth_study.main(argv)  # everything done: nothing trains again
     assert len(calls) == 2
     run = tmp_path / 'runs' / 'sum-D2-grt-5it-s0'
-    os.remove(run / 'depth.json')  # a run stopped before its evaluation resumes from its checkpoint
+    os.remove(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json')  # a run stopped before its evaluation resumes
     depth_study.main(argv)
     assert len(calls) == 3 and calls[-1][1]['init_from'] == 'resume' and calls[-1][1]['out_dir'] == str(run)
+
+
+def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
+    argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
+            '--steps=1,2', '--examples=2', '--split=train,dev']
+    depth_study.main(argv + ['--seeds=2', '--variant=bias3', '--overrides=--gate_bias=3.0 --gate_noise=0.0'])
+    assert [a['out_dir'] for _, a in calls] == [str(tmp_path / 'runs' / f'sum-D2-grt+bias3-5it-s{s}') for s in (0, 1)]
+    assert all(a['gate_bias'] == '3.0' and a['gate_noise'] == '0.0' for _, a in calls)
+    depth_study.main(argv)  # another study into the same folder: its report keeps the variant's seeds
+    report = open(tmp_path / 'RESULTS.md').read()
+    assert sorted(os.listdir(tmp_path / 'seeds')) == ['sum-D2-grt+bias3-5it-s0.json', 'sum-D2-grt+bias3-5it-s1.json',
+                                                      'sum-D2-grt-5it-s0.json']
+    assert '| grt+bias3 | 2 |' in report and '| grt | 1 |' in report and '| grt+bias3 | 1 |' in report
+    with pytest.raises(SystemExit, match='--variant=NAME and --overrides'):
+        depth_study.main(argv + ['--overrides=--gate_bias=3.0'])
+
+
+def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
+    """position='none': no wpe table; one layer's last prediction is then the same for any order of the
+    tokens before it (its attention sums over a set), which the learned positions break."""
+    x = torch.randint(6, (2, 12), generator=torch.Generator().manual_seed(0))
+    shuffled = torch.cat([x[:, :-1][:, torch.randperm(11, generator=torch.Generator().manual_seed(1))], x[:, -1:]], 1)
+    last = {}
+    for position in ('none', 'learned'):
+        torch.manual_seed(0)
+        model = scramble(build_model('gpt', n_layer=1, n_embd=32, n_head=2, block_size=BLOCK, vocab_size=6,
+                                     position=position)).eval()
+        with torch.no_grad():
+            last[position] = model(x)[0], model(shuffled)[0]
+        if position == 'none':
+            assert model.transformer.wpe is None and 'transformer.wpe.weight' not in model.state_dict()
+    assert torch.allclose(*last['none'], atol=1e-5)
+    assert not torch.allclose(*last['learned'], atol=1e-3)
