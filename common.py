@@ -1,19 +1,25 @@
 """
 What the scripts share: one-line errors, device and precision choice, keyed randomness, the CPU's
-measured peak for MFU, random training windows, and loading a trained model. train.py, sample.py,
-bench.py, study.py and analyze.py import these from here, never from each other.
+measured peak for MFU, random training windows, writing and loading checkpoints, and compiling. train.py,
+sample.py, bench.py, study.py and analyze.py import these from here, never from each other. The end
+holds what train.py's loop calls that is not the loop: its log, progress lines and stop signals.
 """
 
 import functools
 import hashlib
+import json
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from config import ConfigError, parse_config
 from registry import from_checkpoint
@@ -293,6 +299,38 @@ def estimate_mfu(model, tokens_per_iter, dt, peak_flops, seq_len, num_steps=None
     return train_flops_per_token(model, seq_len, num_steps) * tokens_per_iter / dt / peak_flops
 
 
+class TrainingMFU:
+    """A training run's MFU, called at each log line: estimate_mfu against peak_flops_for's peak in the
+    run's dtype. A CPU peak this process measured reads low if other work loaded the cores meanwhile, so
+    the first figure above 100% measures it again, up to 3 times, keeping the highest. A figure above
+    100% after that means the peak is wrong for this device: one warning, and no MFU for the rest of the run."""
+
+    def __init__(self, device, dtype, peak_flops=0.0, verbose=False):
+        self.ptdtype, self.dtype = getattr(torch, dtype), dtype
+        self.peak = peak_flops_for(device, self.ptdtype, peak_flops, verbose)  # 0: no MFU
+        self.measurable = device == 'cpu' and peak_flops <= 0
+
+    def __call__(self, model, tokens, seconds, seq_len, num_steps=None):
+        """The MFU of `tokens` trained in `seconds` at mean depth num_steps, or None."""
+        if not self.peak:
+            return None
+        mfu = estimate_mfu(model, tokens, seconds, self.peak, seq_len, num_steps)
+        if mfu > 1 and self.measurable:
+            self.measurable = False  # once a run: each measurement holds the loop up to a second
+            for _ in range(3):
+                self.peak = measure_cpu_peak(self.ptdtype, again=True)
+                mfu = estimate_mfu(model, tokens, seconds, self.peak, seq_len, num_steps)
+                if mfu <= 1:
+                    break
+        if mfu > 1:
+            tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {self.dtype} peak of {self.peak / 1e9:.1f} "
+                       f"GFLOP/s, so that peak is wrong for this device; MFU not reported (set --peak_flops=...)",
+                       file=sys.stderr)
+            self.peak = 0.0
+            return None
+        return mfu
+
+
 # -----------------------------------------------------------------------------
 # Data: random windows from memory-mapped token files, drawn by a seeded generator
 
@@ -359,6 +397,20 @@ def from_pretrained(name_or_model, dropout=0.0):
     return model
 
 
+def save_checkpoint(path, checkpoint):
+    """Write to a temporary file, then rename: a crash or Ctrl-C mid-write never leaves a torn file."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def read_checkpoint(path, alternative=''):
     """torch.load of a train.py checkpoint (our own file: it holds the config too, so not weights_only).
     A truncated or corrupt file stops with one line, not torch's traceback; alternative is appended
@@ -405,7 +457,7 @@ def load_model(init_from, out_dir, device, ckpt='best.pt'):
 
 
 # -----------------------------------------------------------------------------
-# Compile by regions
+# Compile by regions, and whether to
 
 
 def compile_regions(model, **compile_kwargs):
@@ -424,3 +476,79 @@ def compile_regions(model, **compile_kwargs):
         model.noise = torch.compiler.disable(model.noise)
         model.recurrence_step = torch.compile(model.recurrence_step, **compile_kwargs)
     return model
+
+
+def resolve_compile(setting, device_type, n_embd):
+    """(compile or not, why 'auto' chose off, else None). 'auto' (or None) compiles only on CUDA at
+    n_embd >= 256: on a CPU, and for narrow models, compiling costs more than it saves."""
+    if setting is True or setting is False:
+        return setting, None
+    if setting not in (None, 'auto'):
+        fail(f"compile must be True, False or 'auto', got {setting!r}")
+    where = f"on {device_type}" if device_type != 'cuda' else f"at n_embd={n_embd} (< 256)" if n_embd < 256 else None
+    if where:
+        return False, f"compile='auto': off {where}, where compiling costs more than it saves; --compile=True forces it"
+    return True, None
+
+
+# -----------------------------------------------------------------------------
+# train.py's run: its log, its progress lines where stderr is a file, its stop signals
+
+
+def open_log(c, iter_num):
+    """out_dir/log.jsonl: a fresh run starts it; a resumed one keeps the lines up to its iteration
+    (not one torn by a hard kill) and appends, writing the rest again."""
+    os.makedirs(c['out_dir'], exist_ok=True)
+    path = os.path.join(c['out_dir'], 'log.jsonl')
+    if c['init_from'] == 'resume' and os.path.isfile(path):
+        truncate_log(path, iter_num)
+    return open(path, 'a' if c['init_from'] == 'resume' else 'w')
+
+
+def truncate_log(path, iter_num):
+    with open(path) as f:
+        lines = [line for line in f if line.endswith('}\n') and json.loads(line)['iter'] <= iter_num]
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(lines)
+    os.replace(path + '.tmp', path)
+
+
+class BarLines:
+    """tqdm's file where stderr is not a terminal: each redraw one line (tqdm starts a redraw with '\\r',
+    which in a file runs every update into one line)."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text):
+        text = text.strip('\r\n').rstrip()
+        if text:
+            self.file.write(text + '\n')
+
+    def flush(self):
+        self.file.flush()
+
+
+@contextmanager
+def stop_signals_between_iterations(ddp, device):
+    """Ctrl-C (SIGINT) and SIGTERM (torchrun's way to stop its workers, a cluster's before preempting)
+    only set a flag, and the loop asks the yielded stop_requested() at each iteration boundary, so
+    ckpt.pt and log.jsonl agree on the iteration. Under DDP the ranks agree (one small all-reduce an
+    iteration): none waits in a collective the others have left. Signals handled elsewhere are left alone."""
+    interrupted, installed = threading.Event(), {}
+    if threading.current_thread() is threading.main_thread():
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:
+                installed[sig] = signal.signal(sig, lambda signum, frame: interrupted.set())
+
+    def stop_requested():
+        if not ddp:
+            return interrupted.is_set()
+        flag = torch.tensor(float(interrupted.is_set()), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+    try:
+        yield stop_requested
+    finally:
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)

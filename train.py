@@ -2,24 +2,23 @@
 Train a dense GPT-2 or a Gated Recurrent Transformer (GRT), on one device or many, in nanoGPT's order:
 settings, DDP, data, model, optimizer, compile, evaluation, learning rate, the loop.
 
-    python train.py config/shakespeare_char_grt.py                  # CPU, about 7.5 minutes
+    python train.py config/shakespeare_char_grt.py                  # the quick start, on a CPU
     python train.py config/grt_small.py --init_from=resume         # continue exactly where it stopped
     torchrun --standalone --nproc_per_node=8 train.py config/grt_small.py
 
 Config files and --key=value set the settings below (config/__init__.py). out_dir receives log.jsonl,
-ckpt.pt (the latest state, for resume) and best.pt (the best val loss). Every micro-step reseeds its
-randomness from (seed, iteration, micro-step) (common.rng_key): the depth r, the batch, the dropout and
-noise. So a resumed run repeats the uninterrupted one exactly, and evaluation never shifts the stream.
+ckpt.pt (the latest state, for resume) and best.pt (the best val loss); a new run refuses an out_dir
+that holds them unless --overwrite=True. Every micro-step reseeds its randomness from (seed, iteration,
+micro-step) (common.rng_key): the depth r, the batch, the dropout and noise. So a resumed run repeats
+the uninterrupted one exactly (on a CPU, on the thread count ckpt.pt records), and evaluation never
+shifts the stream.
 """
 
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import MISSING, asdict, fields
 
 import torch
@@ -28,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from common import (CPU_BF16_MIN_WIDTH, Batches, autocast_context, compile_regions, cpu_bf16_speedup,
-                    estimate_mfu, fail, from_pretrained, measure_cpu_peak, peak_flops_for, pick_device, pick_dtype,
-                    read_checkpoint, read_settings, resume_threads, rng_key, share_cores)
+from common import (CPU_BF16_MIN_WIDTH, BarLines, Batches, TrainingMFU, autocast_context, compile_regions,
+                    cpu_bf16_speedup, fail, from_pretrained, open_log, pick_device, pick_dtype, read_checkpoint,
+                    read_settings, resolve_compile, resume_threads, rng_key, save_checkpoint, share_cores,
+                    stop_signals_between_iterations)
 from registry import MODELS, PRESETS, build_model, foreign_fields, from_checkpoint, model_type_of
 
 # -----------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def train(c):
     if compiled:
         compile_regions(model)
     trained = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
-    peak = 0.0  # per-device peak FLOP/s for MFU (rank 0); 0 = MFU not shown
+    run_mfu = None  # rank 0's MFU at each log line (common.TrainingMFU)
     if master:
         resumed = f"; from iteration {iter_num}" if iter_num else ""
         print(f"{model_type} model, {model.get_num_params() / 1e6:.2f}M non-embedding parameters; {device}, "
@@ -169,7 +169,9 @@ def train(c):
         if device_type == 'cpu' and c['dtype'] == 'auto' and model.config.n_embd >= CPU_BF16_MIN_WIDTH:
             print(f"dtype='auto' chose {dtype}: bf16 matrix products measured {cpu_bf16_speedup():.2f}x as fast "
                   "as fp32 on this CPU")
-        peak = peak_flops_for(device, getattr(torch, dtype), c['peak_flops'], verbose=True)
+        run_mfu = TrainingMFU(device, dtype, c['peak_flops'], verbose=True)
+
+    tty = sys.stderr.isatty()  # else a file: the bar as a line every 30 s, no evaluation bar
 
     @torch.no_grad()
     def estimate_loss():
@@ -228,11 +230,10 @@ def train(c):
     # torch.manual_seed seeds every backend, 0.3 ms a call on a CPU-only torch; a CPU has one generator
     seed = torch.default_generator.manual_seed if device_type == 'cpu' else torch.manual_seed
     log = open_log(c, iter_num) if master else None
-    tty = sys.stderr.isatty()  # else a file: the bar as a line every 30 s, no evaluation bar
     bar = tqdm(total=c['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True,
                desc='compiling' if compiled else 'train',
                **({} if tty else dict(file=BarLines(sys.stderr), mininterval=30, maxinterval=30)))
-    losses, since, window, remeasured, mfu_withheld = None, 0, [], 0, False
+    losses, since, window = None, 0, []
     started = t_log = time.time()
     x, y = get_batch(iter_num, 0)
     with stop_signals_between_iterations(ddp, device) as stop_requested:
@@ -283,20 +284,8 @@ def train(c):
                 lossf = loss_sum.item()
                 if not math.isfinite(lossf):
                     stop_non_finite('loss', lossf)
-                mfu, depth = None, sum(window) / len(window) if window else None
-                if peak:
-                    mfu = estimate_mfu(model, tokens_per_iter // world, dt, peak, block_size, depth)
-                    if mfu > 1 and device_type == 'cpu' and c['peak_flops'] <= 0 and remeasured < 3:
-                        # faster than the peak: other work loaded the cores while it was measured, so
-                        # measure again (keeping the higher figure) rather than show an MFU above 100%
-                        remeasured, peak = remeasured + 1, measure_cpu_peak(getattr(torch, dtype), again=True)
-                        mfu = estimate_mfu(model, tokens_per_iter // world, dt, peak, block_size, depth)
-                    if mfu > 1:  # the peak is wrong for this device: say so once, never show the figure
-                        if not mfu_withheld:
-                            tqdm.write(f"warning: MFU would be {100 * mfu:.0f}% against a {dtype} peak of "
-                                       f"{peak / 1e9:.1f} GFLOP/s, so that peak is wrong for this device; MFU "
-                                       f"not reported (set --peak_flops=...)", file=sys.stderr)
-                        mfu_withheld, mfu = True, None
+                depth = sum(window) / len(window) if window else None
+                mfu = run_mfu(model, tokens_per_iter // world, dt, block_size, depth) if master else None
                 r = None if not depths else depths[0] if len(depths) == 1 else sum(depths) / len(depths)
                 record = dict(iter=iter_num, loss=lossf, lr=lr, r=r, tokens=tokens, time_s=round(
                     time_before + time.time() - started, 3), mfu=None if mfu is None else round(mfu, 5))
@@ -448,20 +437,7 @@ def init_model(c, meta, ckpt_path):
     fail(f"init_from must be 'scratch', 'resume' or a GPT-2 name such as 'gpt2', got {init_from!r}")
 
 # -----------------------------------------------------------------------------
-# Compile, the schedule, checkpoints, the log, stop signals
-
-
-def resolve_compile(setting, device_type, n_embd):
-    """(compile or not, why 'auto' chose off, else None). 'auto' (or None) compiles only on CUDA at
-    n_embd >= 256: on a CPU, and for narrow models, compiling costs more than it saves."""
-    if setting is True or setting is False:
-        return setting, None
-    if setting not in (None, 'auto'):
-        fail(f"compile must be True, False or 'auto', got {setting!r}")
-    where = f"on {device_type}" if device_type != 'cuda' else f"at n_embd={n_embd} (< 256)" if n_embd < 256 else None
-    if where:
-        return False, f"compile='auto': off {where}, where compiling costs more than it saves; --compile=True forces it"
-    return True, None
+# The schedule, and the command line
 
 
 def get_lr(it, c):
@@ -475,79 +451,6 @@ def get_lr(it, c):
         return c['min_lr']
     ratio = (it - c['warmup_iters']) / max(1, decay_iters - c['warmup_iters'])
     return c['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c['learning_rate'] - c['min_lr'])
-
-
-def save_checkpoint(path, checkpoint):
-    """Write to a temporary file, then rename: a crash or Ctrl-C mid-write never leaves a torn file."""
-    tmp = path + '.tmp'
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def open_log(c, iter_num):
-    """out_dir/log.jsonl: a fresh run starts it; a resumed one keeps the lines up to its iteration
-    (not one torn by a hard kill) and appends, writing the rest again."""
-    os.makedirs(c['out_dir'], exist_ok=True)
-    path = os.path.join(c['out_dir'], 'log.jsonl')
-    if c['init_from'] == 'resume' and os.path.isfile(path):
-        truncate_log(path, iter_num)
-    return open(path, 'a' if c['init_from'] == 'resume' else 'w')
-
-
-def truncate_log(path, iter_num):
-    with open(path) as f:
-        lines = [line for line in f if line.endswith('}\n') and json.loads(line)['iter'] <= iter_num]
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(lines)
-    os.replace(path + '.tmp', path)
-
-
-class BarLines:
-    """tqdm's file where stderr is not a terminal: each redraw one line (tqdm starts a redraw with '\\r',
-    which in a file runs every update into one line)."""
-
-    def __init__(self, file):
-        self.file = file
-
-    def write(self, text):
-        text = text.strip('\r\n').rstrip()
-        if text:
-            self.file.write(text + '\n')
-
-    def flush(self):
-        self.file.flush()
-
-
-@contextmanager
-def stop_signals_between_iterations(ddp, device):
-    """Ctrl-C (SIGINT) and SIGTERM (torchrun's way to stop its workers, a cluster's before preempting)
-    only set a flag, and the loop asks the yielded stop_requested() at each iteration boundary, so
-    ckpt.pt and log.jsonl agree on the iteration. Under DDP the ranks agree (one small all-reduce an
-    iteration): none waits in a collective the others have left. Signals handled elsewhere are left alone."""
-    interrupted, installed = threading.Event(), {}
-    if threading.current_thread() is threading.main_thread():
-        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-            if signal.getsignal(sig) is default:
-                installed[sig] = signal.signal(sig, lambda signum, frame: interrupted.set())
-
-    def stop_requested():
-        if not ddp:
-            return interrupted.is_set()
-        flag = torch.tensor(float(interrupted.is_set()), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
-    try:
-        yield stop_requested
-    finally:
-        for sig, previous in installed.items():
-            signal.signal(sig, previous)
 
 
 def main(argv=None):
@@ -566,3 +469,7 @@ def main(argv=None):
 
 if __name__ == '__main__':
     main()
+    if dist.is_torchelastic_launched():  # a torchrun worker skips the interpreter's teardown: DDP keeps gloo's
+        sys.stdout.flush()  # threads alive past destroy_process_group, and one that frees a tensor during
+        sys.stderr.flush()  # that teardown aborts the process (SIGABRT, seen once in 140 two-rank runs)
+        os._exit(0)

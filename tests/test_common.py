@@ -302,3 +302,31 @@ def test_a_peak_measured_beside_other_work_says_it_reads_low(two_threads, monkey
     torch.set_num_threads(2)
     common.measure_cpu_peak(torch.bfloat16)
     assert common.cpu_peak_contended(torch.bfloat16) == ''
+
+
+def test_training_mfu_measures_the_peak_again_once_a_run_then_withholds_for_good(monkeypatch, capsys):
+    """A CPU peak measured at 1 GFLOP/s; the model trains at 4 (MFU 400%). Measuring again finds 10: the MFU
+    is 40%. Where every measurement says 1, 3 of them are made at that one line, then one warning and no
+    MFU for the rest of the run, without measuring again, even for a figure that would fit."""
+    model = tiny_model('grt')
+    flops = common.train_flops_per_token(model, 64, 2.0) * 1000  # of 1,000 tokens at r = 2
+    for later_rate, expected in ((1e10, 0.4), (1e9, None)):
+        rate, calls = {'now': 1e9}, []
+        def time_linear(n, dtype, repeats):
+            calls.append(n)
+            return 2 * n ** 3 / rate['now']
+        monkeypatch.setattr(common, '_time_linear', time_linear)
+        monkeypatch.setattr(common, '_cpu_peak_cache', {})
+        run_mfu = common.TrainingMFU('cpu', 'float32')
+        assert run_mfu.peak == pytest.approx(1e9)
+        measured, rate['now'] = len(calls), later_rate
+        mfu = run_mfu(model, 1000, flops / 4e9, 64, 2.0)  # 4 GFLOP/s
+        assert mfu == expected if expected is None else mfu == pytest.approx(expected)
+        if expected is None:
+            assert len(calls) == 4 * measured  # 3 measurements more, each as long as the first
+            assert capsys.readouterr().err.count('warning: MFU would be 400% against a float32 peak of 1.0') == 1
+            assert run_mfu(model, 1000, flops / 1e8, 64, 2.0) is None and len(calls) == 4 * measured
+        assert capsys.readouterr().err == ''
+    given = common.TrainingMFU('cpu', 'float32', peak_flops=1e9)  # a peak the user set is not measured again
+    assert given(model, 1000, flops / 4e9, 64, 2.0) is None and given.peak == 0.0
+    assert 'warning: MFU would be 400%' in capsys.readouterr().err

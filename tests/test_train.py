@@ -353,9 +353,9 @@ def test_a_depth_task_trains_on_its_own_batches(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path):
     path = str(tmp_path / 'ckpt.pt')
-    train.save_checkpoint(path, {'iter_num': 1})
+    common.save_checkpoint(path, {'iter_num': 1})
     with pytest.raises(Exception):
-        train.save_checkpoint(path, {'iter_num': 2, 'bad': lambda: 0})  # cannot be pickled mid-write
+        common.save_checkpoint(path, {'iter_num': 2, 'bad': lambda: 0})  # cannot be pickled mid-write
     assert torch.load(path, weights_only=False) == {'iter_num': 1}
     assert os.listdir(tmp_path) == ['ckpt.pt']
 
@@ -363,7 +363,7 @@ def test_checkpoint_write_is_atomic(tmp_path):
 def test_log_truncation_keeps_lines_up_to_the_checkpoint(tmp_path):
     path = tmp_path / 'log.jsonl'
     path.write_text(''.join(json.dumps({'iter': i, 'loss': 1.0}) + '\n' for i in range(1, 6)) + '{"iter": 6, "lo')
-    train.truncate_log(str(path), 3)
+    common.truncate_log(str(path), 3)
     assert [json.loads(line)['iter'] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
@@ -601,14 +601,14 @@ def test_a_cpu_without_native_bf16_is_measured_and_the_run_warns(data_root, tmp_
 
 
 def test_compile_auto_turns_off_where_it_loses():
-    assert train.resolve_compile(None, 'cuda', 768) == (True, None)
-    assert train.resolve_compile('auto', 'cuda', 768) == (True, None)
-    on, why = train.resolve_compile('auto', 'cpu', 768)
+    assert common.resolve_compile(None, 'cuda', 768) == (True, None)
+    assert common.resolve_compile('auto', 'cuda', 768) == (True, None)
+    on, why = common.resolve_compile('auto', 'cpu', 768)
     assert not on and "off on cpu" in why and '--compile=True' in why
-    on, why = train.resolve_compile('auto', 'cuda', 128)
+    on, why = common.resolve_compile('auto', 'cuda', 128)
     assert not on and 'n_embd=128' in why
-    assert train.resolve_compile(True, 'cpu', 32) == (True, None)  # True and False force it
-    assert train.resolve_compile(False, 'cuda', 768) == (False, None)
+    assert common.resolve_compile(True, 'cpu', 32) == (True, None)  # True and False force it
+    assert common.resolve_compile(False, 'cuda', 768) == (False, None)
 
 
 def test_the_scripts_import_no_experiment():
