@@ -108,10 +108,11 @@ def table_lines(table, answers, trained):
     return lines
 
 
-def plot_lines(path, title, difficulties, lines, chance, trained, styles=None):
-    """accuracy against difficulty, one line per entry of lines {label: [accuracy per difficulty]}
-    (styles {label: matplotlib line keywords}; default a viridis colour each), chance dotted, the trained
-    range shaded; the legend beside the axes, so it hides no line. Returns path, or None without matplotlib."""
+def plot_lines(path, title, difficulties, lines, chance, trained, styles=None, ylabel='accuracy'):
+    """accuracy (or ylabel) against difficulty, one line per entry of lines {label: [value per difficulty]}
+    (styles {label: matplotlib line keywords}; default a viridis colour each), chance dotted (None: no
+    chance line, the y axis from the data), the trained range shaded; the legend beside the axes, so it
+    hides no line. Returns path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -124,8 +125,10 @@ def plot_lines(path, title, difficulties, lines, chance, trained, styles=None):
     colors = plt.cm.viridis([0.9 * i / max(1, len(lines) - 1) for i in range(len(lines))])  # no pale yellow
     for color, (label, accuracy) in zip(colors, lines.items()):
         ax.plot(difficulties, accuracy, marker='o', ms=3, label=label, **(styles or {}).get(label, dict(color=color)))
-    ax.axhline(chance, color='gray', ls=':', label=f'chance ({chance:.3f})')
-    ax.set(xlabel='difficulty: sequential steps the answer needs', ylabel='accuracy', title=title, ylim=(0, 1.02),
+    if chance is not None:
+        ax.axhline(chance, color='gray', ls=':', label=f'chance ({chance:.3f})')
+        ax.set(ylim=(0, 1.02))
+    ax.set(xlabel='difficulty: sequential steps the answer needs', ylabel=ylabel, title=title,
            xticks=list(difficulties))
     ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()

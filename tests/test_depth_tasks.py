@@ -349,3 +349,21 @@ def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
             assert model.transformer.wpe is None and 'transformer.wpe.weight' not in model.state_dict()
     assert torch.allclose(*last['none'], atol=1e-5)
     assert not torch.allclose(*last['learned'], atol=1e-3)
+
+
+def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
+    """depth_exit: a threshold no step reaches runs every token max_steps steps (the accuracy of fixed
+    R = max_steps), one every step passes stops each token after step 1 (that of R = 1)."""
+    from experiments import depth_exit
+    task = make_task('compose', BLOCK)
+    model = tiny('grt', task.vocab_size)
+    out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:compose', difficulty=2,
+                                                                         block_size=None))
+    depth_exit.main([f'--out_dir={out}', '--thresholds=1e9,1e-12', '--max_steps=5', '--steps=1', '--examples=2',
+                     '--split=train,dev'])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
+    for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
+        assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
+    assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
+    assert os.path.getsize(os.path.join(out, 'depth_exit.png')) > 0

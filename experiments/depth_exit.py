@@ -1,0 +1,98 @@
+"""
+Depth chosen per token on a depth task: early exit (early_exit.py, criterion 'state') on a recurrent
+model trained on a depth task, against the fixed depths R:
+
+    python -m experiments.depth_exit --out_dir=results/depth/compose/runs/compose-D4-grt_local-2000it-s0
+    python -m experiments.depth_exit --out_dir=DIR --thresholds=0.01,0.003,0.001 --max_steps=32 --split=dev
+
+Each token runs up to max_steps recurrence steps and stops after the first step whose relative state
+change ||h_s - h_(s-1)|| / ||h_(s-1)|| falls below the threshold. On each split's eval sets
+(experiments/depth_eval.py) it reports, per threshold and per difficulty d, the accuracy at the answers
+that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
+<out_dir>/depth_exit.png (mean exit step against d, a line per threshold) and prints a JSON line last.
+"""
+
+import json
+import os
+
+import torch
+
+from common import fail, load_model, read_settings
+from early_exit import EarlyExit, ExitingModel
+from experiments.depth_eval import eval_set, parse_splits, parse_steps, plot_lines
+from experiments.depth_tasks import make_task
+from model import RecurrentLM
+
+DEFAULTS = dict(
+    out_dir='',  # a train.py out_dir whose recurrent model trained on a depth task
+    ckpt='best.pt',
+    thresholds='0.1,0.03,0.01,0.003',  # exit when the state's relative change falls below this
+    max_steps=32,  # the most steps a token runs (and the fixed R it is compared with)
+    steps='1,2,4,8,16,32',  # the fixed R beside it
+    split='train,dev,test',
+    examples=64,  # sequences per difficulty
+)
+
+
+@torch.no_grad()
+def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
+    """{d: {'fixed': {R: accuracy}, 'exit': {threshold: (accuracy, mean exit step)}}} at the answers
+    that need exactly d steps."""
+    table = {}
+    for split, ds in splits.items():
+        for d in ds:
+            x, y, need = eval_set(task, d, examples, 'cpu', split)
+            scored = need == d
+            row = dict(fixed={}, exit={})
+            for r in steps:
+                row['fixed'][r] = (model(x, y, num_steps=r)[0].argmax(-1) == y)[scored].float().mean().item()
+            for t in thresholds:
+                exiting = ExitingModel(model, EarlyExit(threshold=t))
+                logits, _ = exiting(x, y, num_steps=max_steps)
+                accuracy = (logits.argmax(-1) == y)[scored].float().mean().item()
+                row['exit'][t] = (accuracy, exiting.exit_steps[scored].float().mean().item())
+            table[d] = row
+    return table
+
+
+def main(argv=None):
+    c = read_settings(DEFAULTS, argv)
+    if not c['out_dir']:
+        fail("give --out_dir=DIR, a train.py out_dir whose GRT trained on a depth task")
+    model, checkpoint = load_model('resume', c['out_dir'], 'cpu', c['ckpt'])
+    trained = checkpoint['config']
+    if not isinstance(model, RecurrentLM) or not str(trained.get('dataset', '')).startswith('task:'):
+        fail(f"{os.path.join(c['out_dir'], c['ckpt'])} is not a recurrent model trained on a depth task; "
+             f"early exit needs one, e.g. `python train.py config/depth/grt_local.py`")
+    try:
+        thresholds = [float(t) for t in c['thresholds'].split(',')]
+    except ValueError:
+        thresholds = []
+    if not thresholds or min(thresholds) <= 0:
+        fail(f"thresholds must be comma-separated numbers > 0, e.g. --thresholds=0.01,0.001; got {c['thresholds']!r}")
+    task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
+    splits = parse_splits(c['split'], trained['difficulty'], task)
+    steps = sorted(set(parse_steps(c['steps'])) | {c['max_steps']})
+    table = exit_table(model, task, splits, thresholds, c['max_steps'], steps, c['examples'])
+    print(f"{trained['dataset']}: accuracy at fixed R, and with early exit (up to {c['max_steps']} steps) "
+          f"accuracy / mean exit step, {c['examples']} sequences a difficulty")
+    print('d  | ' + ' '.join(f'R={r:<5}' for r in steps) + ' | ' + ' '.join(f'exit<{t:<12g}' for t in thresholds))
+    for d, row in table.items():
+        fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
+        exits = ' '.join(f"{a:.3f} / {s:<5.1f}" for a, s in row['exit'].values())
+        print(f"{d:<2} | {fixed} | {exits}")
+    difficulties = list(table)
+    lines = {f'exit < {t:g}': [table[d]['exit'][t][1] for d in difficulties] for t in thresholds}
+    path = plot_lines(os.path.join(c['out_dir'], 'depth_exit.png'), f"{trained['dataset']}: mean exit step",
+                      difficulties, lines, None, trained['difficulty'], ylabel='mean exit step')
+    if path:
+        print(f"wrote {path}")
+    print(json.dumps(dict(out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps,
+                          thresholds=thresholds, splits=splits, examples=c['examples'],
+                          fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
+                          exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],
+                          exit_steps=[[round(table[d]['exit'][t][1], 3) for t in thresholds] for d in difficulties])))
+
+
+if __name__ == '__main__':
+    main()
