@@ -2,7 +2,7 @@
 Sample from a trained model, streaming the text as it is generated.
 
     python sample.py --out_dir=out-shakespeare-char-grt
-    python sample.py --out_dir=out-shakespeare-char-grt --start="ROMEO:" --num_steps=16 --kv_mode=mean
+    python sample.py --out_dir=out-shakespeare-char-grt --start="ROMEO:" --kv_mode=mean   # at its trained R
     python sample.py --init_from=gpt2 --start=FILE:prompt.txt      # OpenAI's GPT-2 (needs transformers)
 
 Settings are read by the same parser as train.py (config files and --key=value). The checkpoint
