@@ -143,8 +143,8 @@ def resume_threads(device, threads, verbose=True):
         return
     torch.set_num_threads(threads)
     if verbose:
-        print(f"resuming on {threads} thread(s), the count the checkpoint trained on, for a bit-exact continuation",
-              file=sys.stderr, flush=True)
+        print(f"resuming on {threads} thread(s), the count the checkpoint trained on, for a bit-exact continuation "
+              f"(OMP_NUM_THREADS=N sets another, and the run drifts)", file=sys.stderr, flush=True)
 
 
 @functools.cache

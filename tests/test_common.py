@@ -263,7 +263,7 @@ def test_a_resumed_run_takes_its_checkpoints_threads_unless_omp_num_threads_says
     common.resume_threads('cpu', 2)
     assert torch.get_num_threads() == 2
     assert capsys.readouterr().err == ("resuming on 2 thread(s), the count the checkpoint trained on, for a bit-exact "
-                                       "continuation\n")
+                                       "continuation (OMP_NUM_THREADS=N sets another, and the run drifts)\n")
     common.resume_threads('cpu', None)  # a checkpoint without the count: share_cores decides
     assert torch.get_num_threads() == 1 and capsys.readouterr().err.startswith('note: other work keeps 1.0 of 2')
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
