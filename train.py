@@ -85,6 +85,7 @@ def train(c):
         if c[key] < 1:
             fail(f"{key} must be >= 1, got {c[key]}")
 
+    # a new run never writes over another's checkpoints unless told to
     held = [n for n in ('ckpt.pt', 'best.pt') if os.path.isfile(os.path.join(c['out_dir'], n))]
     if held and c['init_from'] != 'resume' and not c['eval_only']:
         if not c['overwrite']:
