@@ -58,14 +58,13 @@ SMOKE = {
     'benchmarks.exit_sweep': '--prompt_len=28',  # of the smoke run's 32-token windows: 4 tokens decoded
     'benchmarks.memory': '',
     'benchmarks.rss_long_run': '--gb=0.001 --batches=4 --every=2 --block_size=64 --path=rss_tokens.bin',
-    'experiments.analyze': '--eval_iters=1 --heatmap_chars=16',
+    'experiments.analyze': '--heatmap_chars=16',
     'experiments.depth_eval': '--examples=2',
     'experiments.depth_study': '--max_iters=2 --examples=2 --models=grt,gpt_params --steps=1,2 --out_dir=depth-study-smoke',
     'experiments.study': '--iters=2',
 }
 TRAIN_SMOKE = ('--max_iters={iters} --eval_interval=2 --eval_iters=1 --log_interval=1 --batch_size=2 '
-               '--gradient_accumulation_steps=1 --warmup_iters=1 --n_embd=32 --n_head=2 --compile=False '
-               '--peak_flops=1e12')
+               '--gradient_accumulation_steps=1 --warmup_iters=1 --compile=False --peak_flops=1e12')
 READS_A_RUN = ('sample.py', 'bench.py', 'experiments.analyze', 'experiments.depth_eval', 'benchmarks.exit_sweep')
 USES_GPT2_BPE = r'gpt2|prepare_data\.py shakespeare\b'  # a command whose tokens come from tiktoken
 FILES = {'my.txt': 'Any UTF-8 text to train on.\n' * 200, 'prompt.txt': 'ROMEO:'}  # files the docs' commands name
@@ -128,25 +127,40 @@ def not_run(command):
 # Smoke scale
 
 
-def train_settings(args, cwd):
-    import train
+def settings(defaults, args, cwd):
+    """A script's settings from its arguments, read in cwd (where the config files are)."""
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        return parse_config(train.DEFAULTS, args)
+        return parse_config(defaults, args)
+    except ConfigError as e:
+        raise AssertionError(f"{' '.join(args)}: {e}") from None
     finally:
         os.chdir(here)
 
 
+def train_settings(args, cwd):
+    import train
+    return settings(train.DEFAULTS, args, cwd)
+
+
 def smoke_args(script, args, cwd):
-    """What is appended to a command of script to run it at smoke scale."""
+    """What is appended to a command of script to run it at smoke scale. A train.py run whose model is
+    built from its config (from scratch, or resuming such a run) gets a tiny width too; a GPT-2 start is
+    tiny already (conftest.tiny_hf_gpt2)."""
+    from registry import PRESETS
     if script != 'train.py':
         assert script in SMOKE, f"{script} has no smoke-scale overrides: add it to tests/test_docs.py's SMOKE"
         return SMOKE[script]
     c = train_settings(args, cwd)
+    start = c['init_from']
+    if start == 'resume':  # the overrides of the run it continues
+        writer = producers().get(c['out_dir'])
+        start = train_settings(script_of(writer)[1], cwd)['init_from'] if writer else 'scratch'
     extra = TRAIN_SMOKE.format(iters=4 if c['init_from'] == 'resume' else 2)
-    if (c['model_type'] or 'gpt') == 'gpt' and c['init_from'] == 'scratch':
-        extra += ' --n_layer=2'
+    if start == 'scratch':
+        model_type = c['model_type'] or (PRESETS[c['preset']]['model_type'] if c['preset'] in PRESETS else 'gpt')
+        extra += ' --n_embd=32 --n_head=2' + (' --n_layer=2' if model_type == 'gpt' else '')
     if not c['dataset'].startswith('task:'):
         extra += ' --block_size=32'
     return extra
@@ -168,7 +182,10 @@ def producers():
             for part in parts(command):
                 script, args = script_of(part)
                 if script == 'train.py' and '--init_from=resume' not in args:
-                    found.setdefault(train_settings(args, REPO)['out_dir'], part)
+                    try:
+                        found.setdefault(train_settings(args, REPO)['out_dir'], part)
+                    except AssertionError:  # a bad command fails where its doc runs it
+                        pass
     return found
 
 
@@ -213,14 +230,7 @@ def check_not_run(command, cwd, env):
         args = [p for a in args if not re.fullmatch(r'\[.*|.*\]|\.\.\.', a)  # a template's placeholders
                 for p in (sorted(glob.glob(str(cwd / a))) or [a] if '*' in a else [a])]
         if hasattr(module, 'DEFAULTS'):
-            here = os.getcwd()
-            os.chdir(cwd)
-            try:
-                parse_config(module.DEFAULTS, args)
-            except ConfigError as e:
-                raise AssertionError(f"{part}: {e}") from None
-            finally:
-                os.chdir(here)
+            settings(module.DEFAULTS, args, cwd)
         else:  # an argparse script: every --key it is given is one its --help names
             target = [script] if script.endswith('.py') else ['-m', script]
             help_text = subprocess.run([sys.executable, *target, '--help'], cwd=cwd, env=env, capture_output=True,
