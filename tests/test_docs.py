@@ -9,8 +9,9 @@ A non-zero exit or a traceback in the output fails the test.
 A command that needs a GPU, the network or an hour is listed in NOT_RUN with the reason, and checked as
 far as it can be: its script or module imports, its config files exist and its keys are valid.
 
-It needs Tiny Shakespeare (../shared/data/tinyshakespeare/input.txt beside the clone) and, for the
-commands that use the GPT-2 BPE, the BPE offline (conftest.gpt2_bpe)."""
+It needs Tiny Shakespeare (data/shakespeare_char/input.txt, which `python prepare_data.py` downloads once,
+or ../shared/data/tinyshakespeare/input.txt beside the clone) and, for the commands that use the GPT-2
+BPE, the BPE offline (conftest.gpt2_bpe)."""
 
 import glob
 import importlib
@@ -29,7 +30,8 @@ from config import ConfigError, parse_config
 from conftest import tiny_hf_gpt2
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / 'shared' / 'data' / 'tinyshakespeare' / 'input.txt'
+SHAKESPEARE = (REPO / 'data' / 'shakespeare_char' / 'input.txt',  # prepare_data.py's download, else CI's copy
+               REPO.parent / 'shared' / 'data' / 'tinyshakespeare' / 'input.txt')
 DOCS = ['README.md', *sorted(os.path.relpath(p, REPO) for p in glob.glob(str(REPO / 'docs' / '*.md')))]
 
 # The commands the test does not run, by a regular expression searched in the command: why not.
@@ -247,9 +249,10 @@ def check_not_run(command, cwd, env):
 def repository_copy(folder):
     """The repository's files (tracked, and new ones git does not ignore) copied into folder, with Tiny
     Shakespeare at data/shakespeare_char/input.txt and the files the docs' commands name."""
-    if not SHAKESPEARE.is_file():
-        pytest.fail(f"the docs' commands need Tiny Shakespeare at {SHAKESPEARE} (the shared folder beside the "
-                    f"clone); put input.txt there", pytrace=False)
+    text = next((p for p in SHAKESPEARE if p.is_file()), None)
+    if text is None:
+        pytest.fail("the docs' commands need Tiny Shakespeare: run `python prepare_data.py` once online (it "
+                    "saves data/shakespeare_char/input.txt), or put input.txt there", pytrace=False)
     listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout.split('\n')
     for name in filter(None, listed):
@@ -257,7 +260,7 @@ def repository_copy(folder):
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, folder / name)
     (folder / 'data' / 'shakespeare_char').mkdir(parents=True)
-    shutil.copy(SHAKESPEARE, folder / 'data' / 'shakespeare_char' / 'input.txt')
+    shutil.copy(text, folder / 'data' / 'shakespeare_char' / 'input.txt')
     for name, text in FILES.items():
         (folder / name).write_text(text)
     return folder
