@@ -9,7 +9,8 @@ Each token runs up to max_steps recurrence steps and stops after the first step 
 change ||h_s - h_(s-1)|| / ||h_(s-1)|| falls below the threshold. On each split's eval sets
 (experiments/depth_eval.py) it reports, per threshold and per difficulty d, the accuracy at the answers
 that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
-<out_dir>/depth_exit.png (mean exit step against d, a line per threshold) and prints a JSON line last.
+<save_dir>/depth_exit.png (mean exit step against d, a line per threshold) and depth_exit.json, the JSON
+line it prints last (save_dir: out_dir unless given).
 """
 
 import json
@@ -31,6 +32,7 @@ DEFAULTS = dict(
     steps='1,2,4,8,16,32',  # the fixed R beside it
     split='train,dev,test',
     examples=64,  # sequences per difficulty
+    save_dir='',  # where depth_exit.png and depth_exit.json go; '' = out_dir
 )
 
 
@@ -83,15 +85,21 @@ def main(argv=None):
         print(f"{d:<2} | {fixed} | {exits}")
     difficulties = list(table)
     lines = {f'exit < {t:g}': [table[d]['exit'][t][1] for d in difficulties] for t in thresholds}
-    path = plot_lines(os.path.join(c['out_dir'], 'depth_exit.png'), f"{trained['dataset']}: mean exit step",
+    save_dir = c['save_dir'] or c['out_dir']
+    os.makedirs(save_dir, exist_ok=True)
+    path = plot_lines(os.path.join(save_dir, 'depth_exit.png'), f"{trained['dataset']}: mean exit step",
                       difficulties, lines, None, trained['difficulty'], ylabel='mean exit step')
     if path:
         print(f"wrote {path}")
-    print(json.dumps(dict(out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps,
-                          thresholds=thresholds, splits=splits, examples=c['examples'],
-                          fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
-                          exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],
-                          exit_steps=[[round(table[d]['exit'][t][1], 3) for t in thresholds] for d in difficulties])))
+    record = json.dumps(dict(
+        out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps, thresholds=thresholds,
+        splits=splits, examples=c['examples'],
+        fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
+        exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],
+        exit_steps=[[round(table[d]['exit'][t][1], 3) for t in thresholds] for d in difficulties]))
+    with open(os.path.join(save_dir, 'depth_exit.json'), 'w') as f:
+        f.write(record + '\n')
+    print(record)
 
 
 if __name__ == '__main__':

@@ -360,10 +360,11 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
     out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:compose', difficulty=2,
                                                                          block_size=None))
     depth_exit.main([f'--out_dir={out}', '--thresholds=1e9,1e-12', '--max_steps=5', '--steps=1', '--examples=2',
-                     '--split=train,dev'])
+                     '--split=train,dev', f'--save_dir={tmp_path / "saved"}'])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.load(open(tmp_path / 'saved' / 'depth_exit.json')) == record
     assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
     assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
-    assert os.path.getsize(os.path.join(out, 'depth_exit.png')) > 0
+    assert os.path.getsize(tmp_path / 'saved' / 'depth_exit.png') > 0

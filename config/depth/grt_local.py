@@ -1,4 +1,5 @@
-# The GRT with local attention: every block sees a token and the one before it (attn_window = 2), so
+# The GRT with local attention, our extension beyond the paper's GRT (which attends to every earlier
+# token): every block sees a token and the one before it (attn_window = 2), so
 # each recurrence step reaches one token further back and a longer run of operands needs more steps:
 # what the loop learns to do one step at a time, more steps at test time carry on (docs/depth.md).
 # 1 + 1x4 + 1, heavy-tailed training depths (Huginn's, E[r] = 5) that keep the state stable past R,

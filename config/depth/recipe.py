@@ -3,7 +3,7 @@
 # 2,000 iterations trains in 1.5-7.5 minutes on one core of a 2-vCPU AMD EPYC (docs/depth.md).
 #   python train.py config/depth/grt_local.py                    # S3 running products, difficulties 1..4
 #   python train.py config/depth/grt_local.py --dataset=task:pointer
-#   python -m experiments.depth_eval --out_dir=out-depth-grt-local   # accuracy at difficulties 1..12, R = 1..16
+#   python -m experiments.depth_eval --out_dir=out-depth-grt-local --split=dev   # choose on dev (d = 5, 6) alone
 dataset = 'task:compose'  # 'task:compose', 'task:pointer' or 'task:sum' (experiments/depth_tasks.py)
 difficulty = 4  # train and validate on answers that need 1..4 sequential steps
 n_head = 4
