@@ -62,7 +62,7 @@ class RecurrentConfig(GPTConfig):
     n_core: int = 1
     n_coda: int = 1
     n_recur: int = 10  # R: recurrence steps at eval
-    # the training choices (issue 19, docs/depth.md); the defaults are the paper's
+    # the training choices (docs/analysis.md, docs/depth.md); the defaults are the paper's
     train_depth: str = 'uniform'  # r in training: 'uniform' on 1..R, 'fixed' at R, 'heavy' (Huginn's, mean R + 1)
     backprop_depth: int = None  # k: gradients through only the last k steps (truncated backprop); None: all
     init_state: str = 'e'  # h0: 'e' (the prelude output) or 'random' (training: TruncNormal(0, 0.02^2); eval: 0)

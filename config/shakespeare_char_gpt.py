@@ -1,5 +1,5 @@
-# A dense 6-layer GPT on Tiny Shakespeare's characters, about 7 minutes on a 2-vCPU Intel Xeon in fp32
-# (other CPUs: docs/training.md, The quick-start pair).
+# A dense 6-layer GPT on Tiny Shakespeare's characters, the quick-start GRT's dense twin (fp32 on a CPU;
+# its loss and time beside the GRT's: results/quickstart/RESULTS.md, python -m experiments.quickstart).
 #   python train.py config/shakespeare_char_gpt.py     (prepares data/shakespeare_char/ if missing)
 #   python sample.py --out_dir=out-shakespeare-char-gpt
 # FLOPs: 2.75 MFLOP forward a token; its GRT twin config/shakespeare_char_grt.py costs 2.79 (+1.2%).
