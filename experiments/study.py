@@ -104,7 +104,7 @@ REFERENCE = {'isoflop': 'gpt', 'budget2x': 'gpt', 'isoparam': 'gpt', 'ladder': N
 TUNED = ('isoflop', 'isoparam', 'ladder', 'ladder_fixed')  # the sections whose models the tune section tunes
 # Each model's learning rate, chosen by `python -m experiments.study --sections=tune` (the lowest best val loss over
 # lr_grid, seed tune_seed, `iters` iterations); a model not listed trains at the recipe's 1e-3.
-LEARNING_RATES = {  # chosen 2026-12-01 (results/study/tune.md): every choice is inside the grid
+LEARNING_RATES = {  # results/study/tune.md: every choice is inside the grid
     'gpt': 4e-3, 'grt': 8e-3, 'huginn': 4e-3, 'mor': 8e-3, 'rung2': 4e-3, 'grt_deep': 4e-3,
     'rung1': 4e-3, 'rung3': 2e-3, 'rung4': 4e-3,
     'rung1_fixed': 8e-3, 'rung2_fixed': 4e-3, 'rung3_fixed': 2e-3, 'rung4_fixed': 4e-3,
