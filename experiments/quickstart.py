@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import prepare_data
-from common import fail, read_settings
+from common import fail, read_checkpoint, read_settings
 from experiments import analyze
+from registry import from_checkpoint
 
 DEFAULTS = dict(
     out_dir='results/quickstart',
@@ -63,6 +64,12 @@ def train(c, name):
     return result
 
 
+def size(c, name):
+    """(non-embedding parameters, forward FLOPs a token at the run's block_size) of a run's best.pt."""
+    model = from_checkpoint(read_checkpoint(os.path.join(run_dir(c, name), 'best.pt')))
+    return model.get_num_params(), model.flops_per_token(model.config.block_size)
+
+
 def machine():
     """The CPU's model name and the flags that decide matmul speed, from /proc/cpuinfo (Linux)."""
     model, flags = platform.processor() or platform.machine(), []
@@ -82,10 +89,12 @@ def report(c, results, steps, host):
              f"{', '.join(host['flags']) or 'no avx2/avx512/amx'}), torch {host['torch']}. The two runs trained at "
              f"the same time, one thread each (OMP_NUM_THREADS=1), while other jobs shared the cores: the times "
              f"compare the two runs with each other, not with another machine.", '',
-             '| config | best val loss | iterations | training time (s) |', '|---|---|---|---|']
+             '| config | non-embedding params | forward FLOPs/token | best val loss | iterations | training time (s) |',
+             '|---|---|---|---|---|---|']
     for name in ('gpt', 'grt'):
         r = results[name]
-        lines.append(f"| `{r['config']}` | {r['best_val_loss']:.4f} | {r['iters']} | {r['train_time_s']:.0f} |")
+        lines.append(f"| `{r['config']}` | {r['params'] / 1e6:.2f}M | {r['flops_per_token'] / 1e6:.3f}M | "
+                     f"{r['best_val_loss']:.4f} | {r['iters']} | {r['train_time_s']:.0f} |")
     lines += ['', f"GRT - GPT: {grt['best_val_loss'] - gpt['best_val_loss']:+.4f} nats.", '',
               f"## The GRT at each recurrence step (experiments.analyze on its best.pt; trained R = {R})", '',
               f"On the val batches training evaluated ({steps['eval_iters']} batches, {steps['tokens']:,} tokens); "
@@ -107,6 +116,8 @@ def main(argv=None):
     with ThreadPoolExecutor(len(CONFIGS)) as pool:
         futures = {name: pool.submit(train, c, name) for name in CONFIGS}
         results = {name: future.result() for name, future in futures.items()}
+    for name, r in results.items():
+        r['params'], r['flops_per_token'] = size(c, name)
     out = run_dir(c, 'grt')
     steps = analyze.analyze(dict(analyze.DEFAULTS, out_dir=out, analysis_dir=os.path.join(c['out_dir'], 'analysis')))
     host = machine()
