@@ -29,6 +29,7 @@ per model, and accuracy by model and R against difficulty; and <out_dir>/<task>.
 """
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -41,7 +42,7 @@ import torch
 import train
 from common import fail, read_settings
 from config import parse_config
-from experiments.depth_eval import evaluate_checkpoint, plot_lines, split_means
+from experiments.depth_eval import evaluate_checkpoint, parse_steps, plot_lines, split_means
 from experiments.depth_tasks import TASKS, make_task
 from experiments.study import mean_train_flops
 from model import RecurrentLM
@@ -130,7 +131,7 @@ def evaluate_run(c, task, model, seed, iters, D):
     """The run's depth_eval record with its settings and training time, kept in <out_dir>/seeds/<run>.json."""
     out = run_dir(c, task, model, seed, iters, D)
     path = record_path(c, task, model, seed, iters, D)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or not evaluated_as_asked(c, path):
         record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], 'cpu')
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
@@ -145,32 +146,51 @@ def evaluate_run(c, task, model, seed, iters, D):
         return json.load(f)
 
 
+def evaluated_as_asked(c, path):
+    """Whether the record at path holds the splits, steps and examples this command asks for."""
+    with open(path) as f:
+        record = json.load(f)
+    asked = set(parse_steps(c['steps'])) | ({record['trained_R']} if record['trained_R'] else set())
+    return (list(record['splits']) == c['split'].split(',') and record['examples'] == c['examples']
+            and (record['steps'] == [None] or set(record['steps']) == asked))
+
+
 # -----------------------------------------------------------------------------
 # Report
 
 
 def mean_rows(records):
-    """{(model, R): [mean accuracy over seeds, per difficulty]} for one task's records."""
+    """{(model, R): {difficulty: mean accuracy over the seeds that evaluated it}} for one task's records."""
     rows = {}
     for r in records:
         for j, steps in enumerate(r['steps']):
-            rows.setdefault((label(r), steps), []).append([acc[j] for acc in r['accuracy']])
+            for d, acc in zip(r['difficulties'], r['accuracy']):
+                rows.setdefault((label(r), steps), {}).setdefault(d, []).append(acc[j])
     models = list(dict.fromkeys(label(r) for r in records))
     order = sorted(rows, key=lambda key: (models.index(key[0]), key[1] or 0))  # by model, then R ascending
-    return {key: [statistics.fmean(col) for col in zip(*rows[key])] for key in order}
+    return {key: {d: statistics.fmean(v) for d, v in rows[key].items()} for key in order}
+
+
+def difficulties_and_splits(records):
+    """Every difficulty and split the records evaluated (runs of one folder may differ in --split)."""
+    splits = {}
+    for r in records:
+        splits.update(r['splits'])
+    return sorted({d for r in records for d in r['difficulties']}), splits
 
 
 def accuracy_markdown(records):
     """Markdown: a row per model and R, a column per difficulty, and the mean over each split."""
-    difficulties, splits = records[0]['difficulties'], records[0]['splits']
+    difficulties, splits = difficulties_and_splits(records)
     lines = ['| model | R | ' + ' | '.join(f'd={d}' for d in difficulties) + ' | ' +
              ' | '.join(f'{s} {ds[0]}..{ds[-1]}' for s, ds in splits.items()) + ' |',
              '|---|---|' + '---|' * (len(difficulties) + len(splits))]
-    for (model, steps), accuracy in mean_rows(records).items():
-        by_d = dict(zip(difficulties, accuracy))
-        means = [statistics.fmean(by_d[d] for d in ds) for ds in splits.values()]
-        lines.append(f"| {model} | {steps or 'dense'} | {' | '.join(f'{a:.3f}' for a in accuracy)} | "
-                     f"{' | '.join(f'{m:.3f}' for m in means)} |")
+    for (model, steps), by_d in mean_rows(records).items():
+        means = [statistics.fmean(by_d[d] for d in ds) if all(d in by_d for d in ds) else None
+                 for ds in splits.values()]
+        lines.append(f"| {model} | {steps or 'dense'} | "
+                     f"{' | '.join('' if a is None else f'{a:.3f}' for a in map(by_d.get, difficulties))} | "
+                     f"{' | '.join('' if m is None else f'{m:.3f}' for m in means)} |")
     return lines
 
 
@@ -196,13 +216,14 @@ def plot_task(records, D, path):
     trained = {label(r): r['trained_R'] for r in records}
     colors = {model: f'C{i}' for i, model in enumerate(dict.fromkeys(label(r) for r in records))}
     lines, styles = {}, {}
-    for (model, steps), accuracy in rows.items():
+    difficulties, _ = difficulties_and_splits(records)
+    for (model, steps), by_d in rows.items():
         deepest = max(s for m, s in rows if m == model) if steps else None
         if steps in (None, trained[model], deepest):
             name = model if steps is None else f"{model}, R = {steps}"
-            lines[name] = accuracy
+            lines[name] = [by_d.get(d, math.nan) for d in difficulties]  # a gap where no seed evaluated d
             styles[name] = dict(color=colors[model], ls='--' if steps and steps != trained[model] else '-')
-    return plot_lines(path, f"{records[0]['task']}: trained on difficulties 1..{D}", records[0]['difficulties'],
+    return plot_lines(path, f"{records[0]['task']}: trained on difficulties 1..{D}", difficulties,
                       lines, records[0]['chance'], D, styles)
 
 
@@ -291,7 +312,8 @@ def main(argv=None):
         fail(f"jobs and seeds must be at least 1; got {c['jobs']} and {c['seeds']}")
     runs, iters, D = plan(c)
     t0 = time.time()
-    todo = [run for run in runs if not os.path.isfile(record_path(c, *run, iters, D))]
+    todo = [run for run in runs if not os.path.isfile(path := record_path(c, *run, iters, D))
+            or not evaluated_as_asked(c, path)]
     print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish", flush=True)
     with ThreadPoolExecutor(c['jobs']) as pool:
         list(pool.map(lambda run: train_run(c, *run, iters, D), todo))

@@ -333,6 +333,24 @@ def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, mon
         depth_study.main(argv + ['--overrides=--gate_bias=3.0'])
 
 
+def test_another_split_into_the_same_folder_reevaluates_and_reports_both(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
+    argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
+            '--steps=1,2', '--examples=2']
+    depth_study.main(argv + ['--seeds=2'])
+    depth_study.main(argv + ['--split=train,dev'])  # seed 0 evaluated again on fewer splits; seed 1 kept
+    assert len(calls) == 3 and calls[-1][1]['init_from'] == 'resume'
+    seed0, seed1 = (json.load(open(tmp_path / 'seeds' / f'sum-D2-grt-5it-s{s}.json')) for s in (0, 1))
+    assert list(seed0['splits']) == ['train', 'dev'] and list(seed1['splits']) == ['train', 'dev', 'test', 'stretch']
+    accuracy = open(tmp_path / 'RESULTS.md').read().split('The mean over seeds at each R')[1]
+    row = next(line for line in accuracy.splitlines() if line.startswith('| grt | 1 |')).split(' | ')
+    by_d = lambda r: dict(zip(r['difficulties'], (a[r['steps'].index(1)] for a in r['accuracy'])))
+    assert row[2] == f"{(by_d(seed0)[1] + by_d(seed1)[1]) / 2:.3f}"  # d = 1: the mean of both seeds
+    assert row[2 + 11] == f"{by_d(seed1)[12]:.3f}"  # d = 12: seed 1's alone
+    assert os.path.getsize(tmp_path / 'sum.png') > 0
+
+
 def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
     """position='none': no wpe table; one layer's last prediction is then the same for any order of the
     tokens before it (its attention sums over a set), which the learned positions break."""
