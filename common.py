@@ -243,8 +243,7 @@ def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
 
 def cpu_peak_contended(dtype):
     """A line saying the measured peak in dtype may read low, when other work kept more cores busy while
-    it was measured than torch's threads left free (on 2 threads beside another job it read 54-180
-    GFLOP/s, against 168-185 alone: docs/long_runs.md); '' otherwise."""
+    it was measured than torch's threads left free (docs/long_runs.md measures how low); '' otherwise."""
     busy, cores = _cpu_peak_busy.get(dtype), os.cpu_count() or 1
     if busy is None or busy < cores - torch.get_num_threads() + 0.25:
         return ''

@@ -577,7 +577,7 @@ def test_measuring_the_cpu_leaves_the_global_generator_alone():
 @pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason="ONEDNN_MAX_CPU_ISA=AVX2 is x86's")
 def test_a_cpu_without_native_bf16_is_measured_and_the_run_warns(data_root, tmp_path):
     """A CPU without native bf16, made real: oneDNN limited to AVX2 emulates bf16 matrix products (a
-    1024-wide a @ b at 0.9 GFLOP/s, the rate the AMD EPYC of issue 12 measured). The measured speed-up
+    1024-wide a @ b at about 0.9 GFLOP/s on an AVX2-only CPU). The measured speed-up
     says so whatever /proc/cpuinfo lists, 'auto' picks fp32 for a wide model, and a forced bf16 run
     warns once, measures its MFU peak in bf16 (the emulated rate) and shows every MFU, none above 100%."""
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA='AVX2')

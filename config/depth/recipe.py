@@ -1,6 +1,6 @@
 # The depth-task recipe that every config/depth/*.py starts from, then adds its model: a task of
 # experiments/depth_tasks.py drawn on the fly (no data files), width 64, block 64, batch 32: a run of
-# 2,000 iterations trains in 1.5-7.5 minutes on one core of a 2-vCPU AMD EPYC (docs/depth.md).
+# 2,000 iterations takes minutes on one CPU core (each run's ms a step: results/depth/compose/seeds/).
 #   python train.py config/depth/grt_local.py                    # S3 running products, difficulties 1..4
 #   python train.py config/depth/grt_local.py --dataset=task:pointer
 #   python -m experiments.depth_eval --out_dir=out-depth-grt-local --split=dev   # choose on dev (d = 5, 6) alone
