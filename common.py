@@ -96,8 +96,8 @@ def others_busy(since):
 def cpu_threads(busy, cores, threads):
     """torch's threads beside other work keeping `busy` cores of `cores` busy: one per core it leaves
     free, at least 1, at most `threads` (torch's default). A thread sharing a core with other work
-    holds back every parallel op's team: on 2 cores with one taken, the quick start trained 2.5-4.5x
-    slower than alone on 2 threads, 1.5-1.8x on 1 (docs/training.md#sharing-the-cores)."""
+    holds back every parallel op's team, since each op waits for its slowest thread
+    (docs/training.md#sharing-the-cores)."""
     return max(1, min(threads, round(cores - busy)))
 
 
@@ -155,7 +155,7 @@ def cpu_bf16_speedup():
     return _time_linear(256, torch.float32, 5) / _time_linear(256, torch.bfloat16, 5)
 
 
-CPU_BF16_MIN_WIDTH = 384  # below it, CPU bf16 autocast trained slower than fp32 even with AMX (docs/training.md)
+CPU_BF16_MIN_WIDTH = 384  # 'auto' keeps narrower models in fp32 on a CPU: their products are too small for bf16
 
 
 def pick_dtype(name, device_type, warn=True, n_embd=None):
@@ -464,7 +464,7 @@ def compile_regions(model, **compile_kwargs):
     the whole model: the Python depth loop stays outside compiled code, so a new r never recompiles.
     A one-block core compiles into the step's graph; a longer core keeps its blocks' own graphs, so
     compile time does not grow with n_core. The noise stays eager (torch's own generator, seeded by
-    train.py). Measurements: docs/training.md#compile."""
+    train.py). docs/training.md#compile."""
     from model import Block, RecurrentLM
     for block in model.modules():
         if isinstance(block, Block):

@@ -228,7 +228,7 @@ def train(c):
         data_gen.manual_seed(rng_key(c['seed'], 'data', it, rank * accum + micro))
         return batches['train'].get(data_gen)
 
-    # torch.manual_seed seeds every backend, 0.3 ms a call on a CPU-only torch; a CPU has one generator
+    # torch.manual_seed seeds every backend, a cost each micro-step; a CPU has one generator to seed
     seed = torch.default_generator.manual_seed if device_type == 'cpu' else torch.manual_seed
     log = open_log(c, iter_num) if master else None
     bar = tqdm(total=c['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True,

@@ -2,11 +2,11 @@
 The quick start on cores shared with another job: train.py config/shakespeare_char_grt.py for --iters
 iterations (ms/iteration from log.jsonl, iterations --from_iter to the last, and the measured peak),
 then sample.py's 100 tokens (wall seconds of the process). A case is WHERE-THREADS: WHERE is idle,
-load (the --load job started first) or late (started 8 s into the run); THREADS is default (torch's),
+load (the --load job started first) or late (started 8 s into the run); THREADS is default (no setting: the scripts' own, common.share_cores),
 1thread (OMP_NUM_THREADS=1), passive (OMP_WAIT_POLICY=PASSIVE) or proposed (torch's defaults, for a
 --repo whose scripts choose their threads). Each measurement waits until other work leaves the cores
 idle, and one during which other work took more than 0.15 of a core is taken again (3 tries). Linux
-only (/proc/stat). Results: docs/training.md#sharing-the-cores.
+only (/proc/stat). It prints a table; docs/training.md#sharing-the-cores says how the scripts pick threads.
 
     python -m benchmarks.shared_cores                   # alone and beside a 1-thread matmul loop, twice
     python -m benchmarks.shared_cores --load=train --cases=load-default,load-1thread,load-passive

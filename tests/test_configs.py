@@ -142,8 +142,8 @@ def fineweb_root(tmp_path_factory):
     return str(root)
 
 
-# The small paper configs in every run (about 90 s, 3 GB); all eleven (937 s of one core, up to 14 GB:
-# too much for CI) with GRT_ALL_PAPER_CONFIGS=1, as docs/training.md records them passing.
+# The small paper configs in every run (about 90 s, 3 GB); all eleven (up to 14 GB: too much for CI)
+# with GRT_ALL_PAPER_CONFIGS=1.
 REAL_SHAPE_CONFIGS = PAPER_CONFIGS if os.environ.get('GRT_ALL_PAPER_CONFIGS') else [
     p for p in PAPER_CONFIGS if p.endswith(('_small.py',))]
 
