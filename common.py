@@ -243,7 +243,7 @@ def measure_cpu_peak(dtype, budget_s=1.0, max_n=4096, repeats=3, again=False):
 
 def cpu_peak_contended(dtype):
     """A line saying the measured peak in dtype may read low, when other work kept more cores busy while
-    it was measured than torch's threads left free (docs/long_runs.md measures how low); '' otherwise."""
+    it was measured than torch's threads left free; '' otherwise."""
     busy, cores = _cpu_peak_busy.get(dtype), os.cpu_count() or 1
     if busy is None or busy < cores - torch.get_num_threads() + 0.25:
         return ''
@@ -339,8 +339,8 @@ class Batches:
     picked in proportion to its windows, then an offset in it), nanoGPT-style from np.memmap.
 
     shards are prepare_data.read_tokens' memmaps; each batch maps the shards it reads anew and unmaps
-    them when done. A memmap kept open for the run keeps every page it has read resident: the process
-    grew by the whole 2 GB file within 500 batches (nanoGPT#287; docs/long_runs.md)."""
+    them when done. A memmap kept open for the run keeps every page it has read resident, so the process
+    grows towards the files' size (nanoGPT#287; docs/long_runs.md)."""
 
     def __init__(self, shards, block_size, batch_size, device):
         self.files = [(s.filename, s.offset, s.shape) for s in shards]  # no reference to the memmaps kept
