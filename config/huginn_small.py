@@ -1,6 +1,6 @@
 # Huginn-style heavy-tail depth sampling (Geiping et al., 2025) at the paper's small scale (d 768):
 # r = Poisson(tau) + 1, tau ~ LogNormal(log 9 - 0.125, 0.5), gradients through the last k = 5 steps.
-# FLOPs: 488.2 MFLOP a trained token (the mean over 65,536 depth draws), +0.3% over config/grt_small.py's 486.6.
+# FLOPs a trained token (the mean over its depth draws) matched to config/grt_small.py's within 1% (tests/test_configs.py).
 #   torchrun --standalone --nproc_per_node=8 train.py config/huginn_small.py
 from config.recipe_fineweb import *
 

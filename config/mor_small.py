@@ -1,6 +1,6 @@
 # Mixture-of-Recursions (Bae et al., 2025) at the paper's small scale (d 768): unique first and last layers,
 # a 3-layer middle recursed N_r = 4 times, expert-choice routing with capacities 4/4, 3/4, 2/4, 1/4.
-# FLOPs: 476.6 MFLOP a trained token, -2% against config/grt_small.py's 486.6 (the nearest layout).
+# FLOPs a trained token within 3% of config/grt_small.py's, the nearest layout (tests/test_configs.py).
 #   torchrun --standalone --nproc_per_node=8 train.py config/mor_small.py
 from config.recipe_fineweb import *
 

@@ -1,6 +1,6 @@
 # Huginn-style heavy-tail depth sampling (baselines.py) on Tiny Shakespeare's characters:
 # r = Poisson(tau) + 1, tau ~ LogNormal(log 4 - 0.125, 0.5), gradients through the last k = 3 steps.
-# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+# FLOPs a trained token matched to config/shakespeare_char_gpt.py and _grt.py (tests/test_configs.py checks it).
 from config.recipe_shakespeare_char import *
 
 out_dir = 'out-shakespeare-char-huginn'

@@ -1,6 +1,6 @@
 # Ablation ladder rung 1, recurrence alone: no prelude or coda, h = Core(h) from h0 = wte(x) + wpe,
 # r ~ Uniform{1..11} in training (11 at eval).
-# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+# FLOPs a trained token matched to config/shakespeare_char_gpt.py and _grt.py (tests/test_configs.py checks it).
 from config.recipe_shakespeare_char import *
 
 out_dir = 'out-shakespeare-char-rung1'

@@ -1,6 +1,6 @@
 # Ablation ladder rung 2, + prelude/coda split: h0 = e = Prelude(embeddings), h = Core(h) repeated
 # r ~ Uniform{1..7} times in training (7 at eval), then the coda.
-# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+# FLOPs a trained token matched to config/shakespeare_char_gpt.py and _grt.py (tests/test_configs.py checks it).
 from config.recipe_shakespeare_char import *
 
 out_dir = 'out-shakespeare-char-rung2'

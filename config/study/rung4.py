@@ -1,6 +1,6 @@
 # Ablation ladder rung 4, + prelude re-injection: h = Core(W_proj [h + eps_x ; e]), r ~ Uniform{1..6} in
 # training (6 at eval). Rung 5 is the full GRT (experiments/study.py's grt).
-# FLOPs: 8.26 MFLOP a trained token, 1.00x config/shakespeare_char_gpt.py, 0.99x config/shakespeare_char_grt.py.
+# FLOPs a trained token matched to config/shakespeare_char_gpt.py and _grt.py (tests/test_configs.py checks it).
 from config.recipe_shakespeare_char import *
 
 out_dir = 'out-shakespeare-char-rung4'
