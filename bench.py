@@ -129,6 +129,13 @@ def cpu_description():
     return name, {flag: flag in flags for flag in CPU_FLAGS}
 
 
+def cpu_line():
+    """The machine a report ran on: the CPU's name, its cores, which of CPU_FLAGS it has, torch's version."""
+    name, flags = cpu_description()
+    have = ', '.join(flag for flag, present in flags.items() if present) or 'none of ' + ', '.join(CPU_FLAGS)
+    return f"{name} ({os.cpu_count()} cores; {have}), torch {torch.__version__}"
+
+
 def hardware(device):
     """One line naming what ran: the GPU, or the CPU with its flags and torch's thread count."""
     if device.startswith('cuda'):

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import train
+from bench import cpu_line
 from common import fail, read_settings
 from config import parse_config
 from experiments.depth_eval import evaluate_checkpoint, parse_steps, plot_lines, split_means
@@ -287,7 +288,7 @@ def write_report(c, records, D, wall_s):
              f"dev D+1..D+2, test D+3..3D, stretch 3D+1..6D, each from its own seeds): the accuracy at the answers "
              f"that need exactly d steps, {c['examples']} sequences a difficulty. Every run in seeds/ (one JSON "
              f"a run, with its settings) is here. The last `python -m experiments.depth_study` into this folder "
-             f"took {wall_s / 60:.1f} min (runs already done are not redone).", '',
+             f"took {wall_s / 60:.1f} min (runs already done are not redone). Machine: {cpu_line()}.", '',
              '## Models', '', 'Training FLOPs a token, LM head excluded, at the depths training draws.', '']
     lines += models_table(list(dict.fromkeys(r['model'] for r in records)), tasks[0].removeprefix('task:')) + ['']
     variants = {label(r): r['overrides'] for r in records if r.get('variant')}

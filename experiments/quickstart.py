@@ -13,7 +13,6 @@ runs for a quick check of the script; a run's name records it.
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import prepare_data
+from bench import cpu_line
 from common import fail, read_checkpoint, read_settings
 from experiments import analyze
 from registry import from_checkpoint
@@ -70,24 +70,12 @@ def size(c, name):
     return model.get_num_params(), model.flops_per_token(model.config.block_size)
 
 
-def machine():
-    """The CPU's model name and the flags that decide matmul speed, from /proc/cpuinfo (Linux)."""
-    model, flags = platform.processor() or platform.machine(), []
-    if os.path.isfile('/proc/cpuinfo'):
-        info = open('/proc/cpuinfo').read().splitlines()
-        model = next((l.split(':', 1)[1].strip() for l in info if l.startswith('model name')), model)
-        present = set(next((l.split(':', 1)[1].split() for l in info if l.startswith('flags')), []))
-        flags = [f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16', 'amx_tile') if f in present]
-    return dict(cpu=model, flags=flags, cores=os.cpu_count(), torch=torch.__version__)
-
-
-def report(c, results, steps, host):
+def report(c, results, steps):
     R = steps['R']
     grt, gpt = results['grt'], results['gpt']
     lines = ['# The quick-start pair', '',
-             f"Written by `python -m experiments.quickstart`. Machine: {host['cpu']} ({host['cores']} cores; "
-             f"{', '.join(host['flags']) or 'no avx2/avx512/amx'}), torch {host['torch']}. The two runs trained at "
-             f"the same time, one thread each (OMP_NUM_THREADS=1), while other jobs shared the cores: the times "
+             f"Written by `python -m experiments.quickstart`. Machine: {cpu_line()}. The two runs trained at "
+             f"the same time, one thread each (OMP_NUM_THREADS=1): the times "
              f"compare the two runs with each other, not with another machine.", '',
              '| config | non-embedding params | forward FLOPs/token | best val loss | iterations | training time (s) |',
              '|---|---|---|---|---|---|']
@@ -120,13 +108,12 @@ def main(argv=None):
         r['params'], r['flops_per_token'] = size(c, name)
     out = run_dir(c, 'grt')
     steps = analyze.analyze(dict(analyze.DEFAULTS, out_dir=out, analysis_dir=os.path.join(c['out_dir'], 'analysis')))
-    host = machine()
-    summary = dict(machine=host, threads_per_run=1, runs_at_once=len(CONFIGS), runs=results,
+    summary = dict(machine=cpu_line(), threads_per_run=1, runs_at_once=len(CONFIGS), runs=results,
                    grt_steps={k: steps[k] for k in ('R', 'exit_loss', 'gate', 'change', 'eval_iters', 'tokens')})
     with open(os.path.join(c['out_dir'], 'results.json'), 'w') as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(c['out_dir'], 'RESULTS.md'), 'w') as f:
-        f.write(report(c, results, steps, host))
+        f.write(report(c, results, steps))
     print(f"wrote {c['out_dir']}/RESULTS.md and results.json")
 
 

@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 import prepare_data
+from bench import cpu_line
 from common import Batches, fail, load_model, read_checkpoint, read_settings, rng_key, train_flops_per_token
 from registry import build_model, from_checkpoint
 
@@ -102,9 +103,9 @@ SECTIONS = {  # section -> [(model, iterations multiplier)]
 }
 REFERENCE = {'isoflop': 'gpt', 'budget2x': 'gpt', 'isoparam': 'gpt', 'ladder': None, 'ladder_fixed': None}
 TUNED = ('isoflop', 'isoparam', 'ladder', 'ladder_fixed')  # the sections whose models the tune section tunes
-# Each model's learning rate, chosen by `python -m experiments.study --sections=tune` (the lowest best val loss over
-# lr_grid, seed tune_seed, `iters` iterations); a model not listed trains at the recipe's 1e-3.
-LEARNING_RATES = {  # results/study/tune.md: every choice is inside the grid
+# Each model's learning rate; a model not listed trains at the recipe's 1e-3. `python -m experiments.study
+# --sections=tune` trains each model at every rate of lr_grid (seed tune_seed) and prints the best to put here.
+LEARNING_RATES = {
     'gpt': 4e-3, 'grt': 8e-3, 'huginn': 4e-3, 'mor': 8e-3, 'rung2': 4e-3, 'grt_deep': 4e-3,
     'rung1': 4e-3, 'rung3': 2e-3, 'rung4': 4e-3,
     'rung1_fixed': 8e-3, 'rung2_fixed': 4e-3, 'rung3_fixed': 2e-3, 'rung4_fixed': 4e-3,
@@ -431,17 +432,17 @@ def write_report(c, results, depth, benches, wall_s, out_dir, tuning=None, routi
     run_minutes = sum(r['wall_s'] for r in results) / 60
     lines = ['# Study results', '',
              f"shakespeare_char (character level), recipe `{RECIPE}`, {c['iters']} iterations a run "
-             f"(x2 in budget2x), {c['seeds']} seed(s). Training runs took {run_minutes:.1f} min of wall time "
-             f"in all; this invocation of `python -m experiments.study` took {wall_s / 60:.1f} min (runs already done "
-             f"are not redone). A gap is **clear** when it exceeds twice the combined spread over seeds, "
-             f"2 sqrt(std_a^2 + std_b^2).", '']
+             f"(x2 in budget2x), {c['seeds']} seed(s), {c['jobs']} at a time. Machine: {cpu_line()}. Training runs "
+             f"took {run_minutes:.1f} min of wall time in all; this invocation of `python -m experiments.study` "
+             f"took {wall_s / 60:.1f} min (runs already done are not redone). A gap is **clear** when it exceeds "
+             f"twice the combined spread over seeds, 2 sqrt(std_a^2 + std_b^2).", '']
     names = list(MODELS) + list(FIXED_LADDER_MODELS)
     lines += ['## Models and FLOPs (sequence length 64, LM head excluded)', ''] + flops_table(names) + ['']
     if tuning:
         lines += ['## Learning rates (the tune section)', ''] + tune_table(c, tuning) + ['']
     elif LEARNING_RATES:
-        lines += ['## Learning rates', '', "Each model's rate in LEARNING_RATES, chosen by `python -m experiments.study "
-                  "--sections=tune` (the grid and every loss: [tune.md](tune.md)); min_lr is a tenth of it.", '']
+        lines += ['## Learning rates', '', "Each model's rate is LEARNING_RATES' in experiments/study.py (each table's "
+                  "lr column), min_lr a tenth of it; `python -m experiments.study --sections=tune` sweeps them.", '']
     for title, section, mult in (('isoFLOPs', 'isoflop', 1), ('Twice the tokens', 'budget2x', 2),
                                  ('isoParams', 'isoparam', 1), ('Ablation ladder, FLOP-matched', 'ladder', 1),
                                  ('Ablation ladder at the GRT layout (R = 5, 3 unique blocks)', 'ladder_fixed', 1)):
