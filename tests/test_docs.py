@@ -62,7 +62,7 @@ SMOKE = {
     'benchmarks.rss_long_run': '--gb=0.001 --batches=4 --every=2 --block_size=64 --path=rss_tokens.bin',
     'experiments.analyze': '--heatmap_chars=16',
     'experiments.depth_eval': '--examples=2',
-    'experiments.depth_study': ('--max_iters=2 --examples=2 --seeds=1 --models=grt --steps=1,2 '
+    'experiments.depth_study': ('--max_iters=2 --examples=2 --seeds=1 --steps=1,2 '
                                 '--out_dir=depth-study-smoke'),
     'experiments.depth_exit': '--examples=2 --max_steps=4 --steps=1',
     'experiments.quickstart': '--max_iters=2',
