@@ -7,6 +7,8 @@ and KV-cache layout, and differ only in their recurrence step:
       rung 2, + prelude/coda split:    h = Core(h),  h0 = e = Prelude(...)
       rung 3, + state noise:           h = Core(h + eps_x)
       rung 4, + prelude re-injection:  h = Core(W_proj [h + eps_x ; e])
+- GRT without its re-injection (model type grt_no_e), the depth tasks' ablation: u = h + eps_x in
+  place of Eq. 2, Eq. 3-5 unchanged (the gate still reads LN(e)).
 - Huginn (Geiping et al., 2025), heavy-tail depth sampling: h = Core(adapter [h ; e]) from a random
   initial state (in eval too, seeded), the coda reading ln_f(h); each training micro-step draws its
   depth from an unbounded log-normal Poisson distribution and backpropagates through only the last k steps.
@@ -25,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kv_cache import KVCache
-from model import RecurrentConfig, RecurrentLM
+from model import GRT, RecurrentConfig, RecurrentLM
 
 # -----------------------------------------------------------------------------
 # The ablation ladder
@@ -90,6 +92,24 @@ class ReinjectedRecurrence(RecurrentLM):
 
     def step_flops(self):
         return 4 * self.config.n_embd ** 2  # W_proj: 2 * 2d^2
+
+
+class GRTWithoutReinjection(GRT):
+    """GRT with u = h + eps_x: the core never reads e (no W_proj); the gate is GRT's, Eq. 4-5."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.W_proj
+
+    def recurrence_step(self, h, e, caches):
+        c = self.config
+        eps_x, eps_g = self.noise(h, c.state_noise), self.noise(h, c.gate_noise)
+        o = self.run_core(h + eps_x, caches)  # Eq. 3 on u = h + eps_x: no re-injection of e
+        g = torch.sigmoid(self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)
+        return g * h + (1 - g) * o  # Eq. 4
+
+    def step_flops(self):
+        return 6 * self.config.n_embd ** 2  # f_g: 2 * 3d^2 a token and step
 
 
 # -----------------------------------------------------------------------------

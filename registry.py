@@ -5,7 +5,7 @@ know nothing of this file, so there is no import cycle: registry imports both.
 """
 
 from baselines import (MoR, MoRConfig, Huginn, HuginnConfig, NoisyRecurrence, NoisyRecurrentConfig,
-                       PlainRecurrence, ReinjectedRecurrence, Rung1Config)
+                       GRTWithoutReinjection, PlainRecurrence, ReinjectedRecurrence, Rung1Config)
 from model import GPT, GRT, GPTConfig, GRTConfig, RecurrentConfig
 
 MODELS = {
@@ -19,6 +19,7 @@ MODELS = {
     'rung2': (RecurrentConfig, PlainRecurrence),  # + prelude/coda split
     'rung3': (NoisyRecurrentConfig, NoisyRecurrence),  # + state noise
     'rung4': (NoisyRecurrentConfig, ReinjectedRecurrence),  # + prelude re-injection W_proj
+    'grt_no_e': (GRTConfig, GRTWithoutReinjection),  # GRT less the re-injection: u = h + eps_x
 }
 
 

@@ -49,6 +49,7 @@ TRAIN_DEFAULTS = dict(
     dataset='fineweb10B',  # a folder of data_dir (prepare_data.py), or 'task:NAME' (experiments/depth_tasks.py)
     data_dir='data',
     difficulty=4,  # dataset='task:NAME': train and validate on answers that need 1..difficulty steps
+    input_difficulty=0,  # dataset='task:NAME': queries need 1..this many steps, longer ones unscored (0: difficulty)
     batch_size=16,  # micro-batch per device
     gradient_accumulation_steps=32,  # micro-steps per optimizer step, over all DDP ranks together
     # model: model_type and its fields, or a preset (the model fields follow, None = unset)
@@ -344,7 +345,7 @@ def load_data(c, device, master):
         if not c['block_size']:
             fail(f"dataset={c['dataset']!r} needs a block_size; set e.g. --block_size=128")
         train_source, val_source = task_batches(c['dataset'][5:], c['block_size'], c['batch_size'], device,
-                                                c['seed'], c['difficulty'])
+                                                c['seed'], c['difficulty'], c['input_difficulty'])
         return {'task': c['dataset'], 'vocab_size': train_source.vocab_size}, {'train': train_source, 'val': val_source}
     data_dir = os.path.join(c['data_dir'], c['dataset'])
     try:

@@ -1,19 +1,20 @@
 """
 Does test-time depth solve harder problems? The comparison over models and seeds, with one resumable command:
 
-    python -m experiments.depth_study                                   # S3 running products, eight models (all but loop_local), one seed
+    python -m experiments.depth_study                                   # S3 running products, eight models (all but the ablations loop_local, gated_local), one seed
     python -m experiments.depth_study --models=grt_local --seeds=8 --jobs=2 --out_dir=results/depth/compose
     python -m experiments.depth_study --models=grt_local --seeds=2 --split=train,dev --variant=bias-3 \
         --overrides='--gate_bias=-3' --out_dir=results/depth/dev       # a training choice, measured on dev alone
     python -m experiments.depth_study --tasks=pointer --max_iters=5 --examples=8 --out_dir=/tmp/depth-dry
 
-Nine models, each trained on a depth task's difficulties 1..D and evaluated on the splits of
+Ten models, each trained on a depth task's difficulties 1..D and evaluated on the splits of
 experiments/depth_eval.py (train 1..D, dev D+1..D+2, test D+3..3D, stretch 3D+1..6D) at several test-time R:
   grt               the GRT as the paper trains it, 1 + 1x8 + 1, r ~ U{1..8} (config/depth/grt.py)
   grt_fixed         the GRT at a fixed r = R = 5, gate bias 0 (config/depth/grt_fixed.py)
   grt_local         the GRT with local attention (a token and the one before), 1 + 1x4 + 1, heavy-tailed r,
                     gate bias 0 (config/depth/grt_local.py)
   loop_local        grt_local with the gate removed, h = Core(W_proj [h + eps_x ; e]) (config/depth/loop_local.py)
+  gated_local       grt_local with the re-injection of e removed, u = h + eps_x (config/depth/gated_local.py)
   gpt_params        a dense GPT with the GRT's non-embedding parameters, 3 layers (config/depth/gpt_params.py)
   gpt_flops         a dense GPT with the GRT's training FLOPs a token, 8 layers (config/depth/gpt_flops.py)
   gpt_params_local  gpt_params with grt_local's local attention (config/depth/gpt_params_local.py)
@@ -65,8 +66,9 @@ DEFAULTS = dict(
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
     threads=0,  # torch threads a run; 0 = the cores shared equally among the jobs
 )
-CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'loop_local', 'gpt_params',
-                                                         'gpt_flops', 'gpt_params_local', 'gpt_flops_local', 'huginn')}
+CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'loop_local', 'gated_local',
+                                                         'gpt_params', 'gpt_flops', 'gpt_params_local', 'gpt_flops_local',
+                                                         'huginn')}
 
 
 def run_settings(model):

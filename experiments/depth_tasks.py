@@ -140,19 +140,22 @@ def make_task(name, block_size):
 
 class TaskBatches:
     """Batches of a task whose answers need lo..hi steps, like common.Batches: get(generator) -> (x, y),
-    (batch_size, block_size) on device, drawn only from the generator, so a batch is reproducible."""
+    (batch_size, block_size) on device, drawn only from the generator, so a batch is reproducible.
+    scored < hi keeps the inputs of lo..hi steps but only the answers of at most scored steps in y."""
 
-    def __init__(self, task, batch_size, device, lo, hi):
+    def __init__(self, task, batch_size, device, lo, hi, scored=None):
         if not 1 <= lo <= hi <= task.max_difficulty:
             fail(f"difficulties {lo}..{hi} do not fit {type(task).__name__} at block_size {task.block_size}: "
                  f"they must lie in 1..{task.max_difficulty}; lower the difficulty or raise block_size")
         self.task, self.batch_size, self.device, self.lo, self.hi = task, batch_size, device, lo, hi
+        self.scored = hi if scored is None else scored
         self.vocab_size = task.vocab_size
 
     def sample(self, generator):
         """(x, y, steps): tokens, answers (-1 elsewhere) and each answer's steps (0 elsewhere)."""
         rows = [self.task.example(generator, self.lo, self.hi) for _ in range(self.batch_size)]
         x, y, steps = (torch.tensor(column).to(self.device) for column in zip(*rows))
+        y = y.masked_fill(steps > self.scored, -1)
         return x, y, steps
 
     def get(self, generator):
@@ -160,12 +163,18 @@ class TaskBatches:
         return x, y
 
 
-def task_batches(name, block_size, batch_size, device, seed, difficulty):
-    """(train, val) sources for train.py's dataset='task:NAME', both on difficulties 1..difficulty.
-    They are one source: train.py draws training and evaluation batches from generators seeded on
-    different keys, so they never repeat each other; seed is not needed (accepted for train.py's call)."""
+def task_batches(name, block_size, batch_size, device, seed, difficulty, input_difficulty=0):
+    """(train, val) sources for train.py's dataset='task:NAME', both scoring the answers of 1..difficulty
+    steps, in inputs whose queries need 1..input_difficulty (0: difficulty). They are one source:
+    train.py draws training and evaluation batches from generators seeded on different keys, so they
+    never repeat each other; seed is not needed (accepted for train.py's call)."""
     if not isinstance(difficulty, int) or isinstance(difficulty, bool) or difficulty < 1:
         fail(f"a depth task needs difficulty = an int D >= 1 (it trains on 1..D), got {difficulty!r}; "
              f"e.g. --difficulty=4")
-    source = TaskBatches(make_task(name, block_size), batch_size, device, 1, difficulty)
+    if not isinstance(input_difficulty, int) or isinstance(input_difficulty, bool) or \
+            input_difficulty and input_difficulty < difficulty:
+        fail(f"input_difficulty must be 0 (the difficulty) or an int >= difficulty = {difficulty}, "
+             f"got {input_difficulty!r}; e.g. --input_difficulty={2 * difficulty}")
+    source = TaskBatches(make_task(name, block_size), batch_size, device, 1, input_difficulty or difficulty,
+                         scored=difficulty)
     return source, source

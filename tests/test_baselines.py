@@ -188,6 +188,28 @@ def test_rungs_2_to_4_compute_their_equations_in_training(k):
     torch.testing.assert_close(logits, head(model, run(model.transformer.coda, h)))
 
 
+def test_grt_without_reinjection_computes_its_equations_in_training():
+    """grt_no_e: u = h + eps_x, o = Core(u), g = sigmoid(f_g([LN(h) ; LN(e)]) + eps_g), h = g h + (1 - g) o,
+    replayed with the same noise draws; it has GRT's parameters less W_proj, and its FLOPs less W_proj's."""
+    model = make('grt_no_e', n_core=2, n_recur=3).train()
+    grt = make('grt', n_core=2, n_recur=3)
+    assert not hasattr(model, 'W_proj')
+    assert grt.get_num_params() - model.get_num_params() == 2 * D * D + D
+    assert grt.flops_per_token(S) - model.flops_per_token(S) == 3 * 4 * D * D
+    idx = torch.randint(0, V, (2, 12))
+    torch.manual_seed(8)
+    logits = logits_all(model, idx, num_steps=3)
+    torch.manual_seed(8)
+    e = h = run(model.transformer.prelude, embed(model, idx))
+    for _ in range(3):
+        eps_x, eps_g = torch.randn_like(h) * 0.1, torch.randn_like(h) * 0.1
+        o = run(model.transformer.core, h + eps_x)
+        f = model.gate_out(F.silu(model.gate_in(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1))))
+        g = torch.sigmoid(f + eps_g)
+        h = g * h + (1 - g) * o
+    torch.testing.assert_close(logits, head(model, run(model.transformer.coda, h)))
+
+
 def test_ladder_flops_add_projection_then_gate():
     flops = [rung(k).flops_per_token(S) for k in range(1, 5)] + [make('grt', n_core=2, n_recur=3).flops_per_token(S)]
     assert flops[1] == flops[2]  # noise is free

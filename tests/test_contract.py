@@ -20,6 +20,7 @@ FIELDS = {  # a small model of each type; every recurrent one runs 3 steps at ev
     'rung2': LAYOUT,
     'rung3': LAYOUT,
     'rung4': LAYOUT,
+    'grt_no_e': LAYOUT,
 }
 
 

@@ -120,6 +120,22 @@ def test_the_loss_reads_only_the_answers(name, model_type):
 
 
 @pytest.mark.parametrize('name', TASKS)
+def test_longer_inputs_score_only_the_trained_difficulties(name):
+    """input_difficulty draws the queries of 1..8 steps, and y keeps only the answers of 1..4 steps: the
+    solver's answers there, -1 past them, while the tokens still hold the longer queries."""
+    source, _ = task_batches(name, BLOCK, 8, 'cpu', 0, 4, input_difficulty=8)
+    x, y, steps = source.sample(torch.Generator().manual_seed(3))
+    assert steps.max() > 4  # the inputs run past the scored difficulties
+    task = make_task(name, BLOCK)
+    for tokens, answers, row_steps in zip(x.tolist(), y.tolist(), steps.tolist()):
+        solved, solved_steps = task.solve(tokens)
+        assert solved_steps == row_steps
+        assert answers == [a if 1 <= s <= 4 else -1 for a, s in zip(solved, solved_steps)]
+    with pytest.raises(SystemExit, match='input_difficulty must be 0'):
+        task_batches(name, BLOCK, 2, 'cpu', 0, 4, input_difficulty=3)
+
+
+@pytest.mark.parametrize('name', TASKS)
 def test_bad_difficulties_stop_with_one_line(name):
     with pytest.raises(SystemExit, match='difficulty = an int D >= 1'):
         task_batches(name, BLOCK, 2, 'cpu', 0, 0)
