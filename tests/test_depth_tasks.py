@@ -402,3 +402,35 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
     assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
     assert os.path.getsize(tmp_path / 'saved' / 'depth_exit.png') > 0
+
+
+class Oracle(torch.nn.Module):
+    """A 'model' whose prediction at each answer combines the last `reach` operands of its run (all of
+    them when reach is None), written from the tokens with the task's own combine."""
+
+    def __init__(self, task, reach=None):
+        super().__init__()
+        self.task, self.reach = task, reach
+
+    def forward(self, x, y=None, num_steps=None):
+        logits = torch.zeros(*x.shape, self.task.vocab_size)
+        for b, tokens in enumerate(x.tolist()):
+            run = []
+            for i, t in enumerate(tokens):
+                run = [] if t == self.task.reset else run + [t]
+                total = 0
+                for operand in run[-self.reach:] if self.reach else run:
+                    total = self.task.combine(total, operand)
+                logits[b, i, total] = 1.0
+        return logits, None
+
+
+@pytest.mark.parametrize('name', ['compose', 'sum'])
+def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
+    """An oracle that combines the whole run is right everywhere and never cut; one that combines the
+    last 4 operands is cut at D = 4 wherever that differs, and right only where it does not."""
+    from experiments.depth_probe import probe
+    task = make_task(name, BLOCK)
+    assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0)
+    right, cut = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
+    assert cut == 1.0 and 0 < right < 0.5  # right only where the first two operands combine to the identity

@@ -65,13 +65,14 @@ SMOKE = {
     'experiments.depth_study': ('--max_iters=2 --examples=2 --seeds=1 --steps=1,2 '
                                 '--out_dir=depth-study-smoke'),
     'experiments.depth_exit': '--examples=2 --max_steps=4 --steps=1',
+    'experiments.depth_probe': '--examples=2 --steps=2',
     'experiments.quickstart': '--max_iters=2',
     'experiments.study': '--iters=2',
 }
 TRAIN_SMOKE = ('--max_iters={iters} --eval_interval=2 --eval_iters=1 --log_interval=1 --batch_size=2 '
                '--gradient_accumulation_steps=1 --warmup_iters=1 --compile=False --peak_flops=1e12')
 READS_A_RUN = ('sample.py', 'bench.py', 'experiments.analyze', 'experiments.depth_eval', 'experiments.depth_exit',
-               'benchmarks.exit_sweep')
+               'experiments.depth_probe', 'benchmarks.exit_sweep')
 USES_GPT2_BPE = r'gpt2|prepare_data\.py shakespeare\b'  # a command whose tokens come from tiktoken
 FILES = {'my.txt': 'Any UTF-8 text to train on.\n' * 200, 'prompt.txt': 'ROMEO:'}  # files the docs' commands name
 
