@@ -171,21 +171,30 @@ def test_rung1_is_the_core_applied_r_times_to_the_embeddings():
     assert not hasattr(model, 'proj') and not hasattr(model, 'gate')
 
 
+def trained_and_replayed(model, step, steps=3):
+    """(the logits of model in training at num_steps=steps, the logits of h0 = e = Prelude(embeddings)
+    carried by step(h, e) steps times through the coda and head), with the same noise draws."""
+    idx = torch.randint(0, V, (2, 12))
+    torch.manual_seed(8)
+    logits = logits_all(model, idx, num_steps=steps)
+    torch.manual_seed(8)
+    e = h = run(model.transformer.prelude, embed(model, idx))
+    for _ in range(steps):
+        h = step(h, e)
+    return logits, head(model, run(model.transformer.coda, h))
+
+
 @pytest.mark.parametrize('k', [2, 3, 4])
 def test_rungs_2_to_4_compute_their_equations_in_training(k):
     """rung 2: h = Core(h); rung 3: h = Core(h + eps_x); rung 4: h = Core(W_proj [h + eps_x ; e]),
     with h0 = e = Prelude(embeddings), replayed here with the same noise draws."""
     model = rung(k).train()
-    idx = torch.randint(0, V, (2, 12))
-    torch.manual_seed(8)
-    logits = logits_all(model, idx, num_steps=3)
-    torch.manual_seed(8)
-    e = h = run(model.transformer.prelude, embed(model, idx))
-    for _ in range(3):
+
+    def step(h, e):
         u = h + torch.randn_like(h) * 0.1 if k >= 3 else h
         u = model.proj(torch.cat([u, e], dim=-1)) if k == 4 else u
-        h = run(model.transformer.core, u)
-    torch.testing.assert_close(logits, head(model, run(model.transformer.coda, h)))
+        return run(model.transformer.core, u)
+    torch.testing.assert_close(*trained_and_replayed(model, step))
 
 
 def test_grt_without_reinjection_computes_its_equations_in_training():
@@ -196,18 +205,14 @@ def test_grt_without_reinjection_computes_its_equations_in_training():
     assert not hasattr(model, 'W_proj')
     assert grt.get_num_params() - model.get_num_params() == 2 * D * D + D
     assert grt.flops_per_token(S) - model.flops_per_token(S) == 3 * 4 * D * D
-    idx = torch.randint(0, V, (2, 12))
-    torch.manual_seed(8)
-    logits = logits_all(model, idx, num_steps=3)
-    torch.manual_seed(8)
-    e = h = run(model.transformer.prelude, embed(model, idx))
-    for _ in range(3):
+
+    def step(h, e):
         eps_x, eps_g = torch.randn_like(h) * 0.1, torch.randn_like(h) * 0.1
         o = run(model.transformer.core, h + eps_x)
         f = model.gate_out(F.silu(model.gate_in(torch.cat([model.ln_h(h), model.ln_e(e)], dim=-1))))
         g = torch.sigmoid(f + eps_g)
-        h = g * h + (1 - g) * o
-    torch.testing.assert_close(logits, head(model, run(model.transformer.coda, h)))
+        return g * h + (1 - g) * o
+    torch.testing.assert_close(*trained_and_replayed(model, step))
 
 
 def test_ladder_flops_add_projection_then_gate():
