@@ -14,7 +14,7 @@ from its own fixed seeds, so that choices made on one never see another's sequen
 At difficulty d an eval set is `examples` sequences whose queries all need exactly d steps; the
 accuracy of the argmax prediction at those answers, at each R of --steps and the trained R
 (model(x, num_steps=R)). A dense model has no R: one column. The best R is the one of the highest mean
-dev accuracy (the smallest such R). Prints the table, writes <out_dir>/depth_eval.png (accuracy
+dev accuracy, the largest of those within 0.005 of it. Prints the table, writes <out_dir>/depth_eval.png (accuracy
 against difficulty, a line per R) when matplotlib is installed, and prints a JSON line last.
 """
 
@@ -182,13 +182,17 @@ def split_means(record, split):
     return {r: sum(col) / len(col) for r, col in zip(record['steps'], zip(*rows))}
 
 
+DEV_TIE = 0.005  # dev means this close to the highest count as equal
+
+
 def best_steps(record):
-    """The R of the highest mean dev accuracy, the smallest of equals (None for a dense model or
-    without a dev split)."""
+    """The largest R whose mean dev accuracy is within DEV_TIE of the highest (None for a dense model
+    or without a dev split): the most steps dev still supports. Dev's few difficulties are solved from
+    some R on, and a longer problem needs more steps; a state that drifts at large R loses dev accuracy."""
     if record['steps'] == [None] or 'dev' not in record['splits']:
         return None
     means = split_means(record, 'dev')
-    return max(means, key=lambda r: (means[r], -r))
+    return max(r for r in means if means[r] >= max(means.values()) - DEV_TIE)
 
 
 def as_table(record):

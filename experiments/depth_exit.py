@@ -10,7 +10,8 @@ change ||h_s - h_(s-1)|| / ||h_(s-1)|| falls below the threshold. On each split'
 (experiments/depth_eval.py) it reports, per threshold and per difficulty d, the accuracy at the answers
 that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
 <save_dir>/depth_exit.png (mean exit step against d, a line per threshold) and depth_exit.json, the JSON
-line it prints last (save_dir: out_dir unless given).
+line it prints last (save_dir: out_dir unless given). With a dev split it chooses the threshold there:
+the largest (fewest steps) whose mean dev accuracy is within 0.005 of the best threshold's.
 """
 
 import json
@@ -20,7 +21,7 @@ import torch
 
 from common import fail, load_model, read_settings
 from early_exit import EarlyExit, ExitingModel
-from experiments.depth_eval import eval_set, parse_splits, parse_steps, plot_lines
+from experiments.depth_eval import DEV_TIE, eval_set, parse_splits, parse_steps, plot_lines
 from experiments.depth_tasks import make_task
 from model import RecurrentLM
 
@@ -57,6 +58,14 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
     return table
 
 
+def dev_threshold(table, splits, thresholds):
+    """The largest threshold whose mean dev accuracy is within DEV_TIE of the best one's; None without dev."""
+    if 'dev' not in splits:
+        return None
+    dev = {t: sum(table[d]['exit'][t][0] for d in splits['dev']) / len(splits['dev']) for t in thresholds}
+    return max(t for t in thresholds if dev[t] >= max(dev.values()) - DEV_TIE)
+
+
 def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     if not c['out_dir']:
@@ -83,6 +92,11 @@ def main(argv=None):
         fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
         exits = ' '.join(f"{a:.3f} / {s:<5.1f}" for a, s in row['exit'].values())
         print(f"{d:<2} | {fixed} | {exits}")
+    chosen = dev_threshold(table, splits, thresholds)
+    if chosen is not None:
+        means = [f"{s} {sum(table[d]['exit'][chosen][0] for d in ds) / len(ds):.3f} at "
+                 f"{sum(table[d]['exit'][chosen][1] for d in ds) / len(ds):.1f} steps" for s, ds in splits.items()]
+        print(f"threshold chosen on dev: {chosen:g}; mean accuracy: {', '.join(means)}")
     difficulties = list(table)
     lines = {f'exit < {t:g}': [table[d]['exit'][t][1] for d in difficulties] for t in thresholds}
     save_dir = c['save_dir'] or c['out_dir']
@@ -93,7 +107,7 @@ def main(argv=None):
         print(f"wrote {path}")
     record = json.dumps(dict(
         out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps, thresholds=thresholds,
-        splits=splits, examples=c['examples'],
+        dev_threshold=chosen, splits=splits, examples=c['examples'],
         fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
         exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],
         exit_steps=[[round(table[d]['exit'][t][1], 3) for t in thresholds] for d in difficulties]))

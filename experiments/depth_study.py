@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -45,7 +46,7 @@ import train
 from bench import cpu_line
 from common import fail, read_settings
 from config import parse_config
-from experiments.depth_eval import evaluate_checkpoint, parse_steps, plot_lines, split_means
+from experiments.depth_eval import best_steps, evaluate_checkpoint, parse_steps, plot_lines, split_means
 from experiments.depth_tasks import TASKS, make_task
 from experiments.study import mean_train_flops
 from model import RecurrentLM
@@ -65,20 +66,22 @@ DEFAULTS = dict(
     overrides='',  # train.py settings added to every run, e.g. '--gate_bias=-3 --gate_noise=0'
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
     threads=0,  # torch threads a run; 0 = the cores shared equally among the jobs
+    device='cpu',  # where the runs train and are evaluated: 'cpu', 'cuda', ...
 )
 CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'loop_local', 'gated_local',
                                                          'gpt_params', 'gpt_flops', 'gpt_params_local', 'gpt_flops_local',
                                                          'huginn')}
 
 
-def run_settings(model):
-    """train.py's settings of a model's config (train.py's defaults under it)."""
-    return parse_config(train.DEFAULTS, [CONFIGS[model]])
+def run_settings(model, overrides=''):
+    """train.py's settings of a model's config and overrides (train.py's defaults under them)."""
+    return parse_config(train.DEFAULTS, [CONFIGS[model]] + overrides.split())
 
 
-def model_of(model, task):
-    """The model a config trains on a task (meta device: its shapes, no weights), as train.py builds it."""
-    c = run_settings(model)
+def model_of(model, task, overrides=''):
+    """The model a config and overrides train on a task (meta device: its shapes, no weights), as
+    train.py builds it."""
+    c = run_settings(model, overrides)
     model_type, args = train.requested_model(c, dict(vocab_size=make_task(task, c['block_size']).vocab_size))
     with torch.device('meta'):
         return build_model(model_type or 'gpt', **args)
@@ -120,7 +123,7 @@ def train_run(c, task, model, seed, iters, D):
     os.makedirs(out, exist_ok=True)
     resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
     cmd = [sys.executable, 'train.py', CONFIGS[model], f'--dataset=task:{task}', f'--difficulty={D}',
-           f'--seed={seed}', f'--max_iters={iters}', f'--out_dir={out}',
+           f'--seed={seed}', f'--max_iters={iters}', f'--out_dir={out}', f"--device={c['device']}",
            f"--init_from={'resume' if resume else 'scratch'}"] + c['overrides'].split()
     threads = c['threads'] or max(1, (os.cpu_count() or 1) // c['jobs'])
     with open(os.path.join(out, 'train.log'), 'a') as log:
@@ -136,18 +139,21 @@ def evaluate_run(c, task, model, seed, iters, D):
     out = run_dir(c, task, model, seed, iters, D)
     path = record_path(c, task, model, seed, iters, D)
     if not os.path.isfile(path) or not evaluated_as_asked(c, path):
-        record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], 'cpu')
+        record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], c['device'])
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
-                      seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
+                      device=c['device'], seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
                       ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
                       best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + '.tmp', 'w') as f:
-            json.dump(record, f)
-        os.replace(path + '.tmp', path)
-    with open(path) as f:
-        return json.load(f)
+    else:
+        with open(path) as f:
+            record = json.load(f)
+    record['best_R'] = best_steps(record)  # a record evaluated under another rule takes today's
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+        json.dump(record, f)
+    os.replace(path + '.tmp', path)
+    return record
 
 
 def evaluated_as_asked(c, path):
@@ -198,17 +204,18 @@ def accuracy_markdown(records):
     return lines
 
 
-def models_table(models, task):
+def models_table(records, task):
+    """A row per model and variant, built from its config and overrides."""
     grt = model_of('grt', task)
     seq_len = grt.config.block_size
     lines = ['| model | config | layout | non-embedding params | train FLOPs/token | x GRT |',
              '|---|---|---|---|---|---|']
-    for name in models:
-        m = model_of(name, task)
+    for r in {label(r): r for r in records}.values():
+        m = model_of(r['model'], task, r.get('overrides', ''))
         layout = (f"{m.config.n_prelude}+{m.config.n_core}x{m.config.n_recur}+{m.config.n_coda}"
                   if isinstance(m, RecurrentLM) else f"{m.config.n_layer} layers")
         flops = mean_train_flops(m, seq_len)
-        lines.append(f"| {name} | `{CONFIGS[name]}` | {layout} | {m.get_num_params() / 1e6:.3f}M | "
+        lines.append(f"| {label(r)} | `{CONFIGS[r['model']]}` | {layout} | {m.get_num_params() / 1e6:.3f}M | "
                      f"{flops / 1e6:.2f}M | {flops / mean_train_flops(grt, seq_len):.2f} |")
     return lines
 
@@ -240,7 +247,7 @@ def at_best(record, split, factor=1):
     column); None where the split or that R was not evaluated."""
     if split not in record['splits']:
         return None
-    R = record['best_R'] and record['best_R'] * factor
+    R = best_steps(record) and best_steps(record) * factor
     return split_means(record, split).get(R)
 
 
@@ -255,9 +262,9 @@ def seeds_table(records):
     lines = ['| model | seed | best val loss | training time (s) | best R (dev) | train | dev | test | stretch | '
              'test at 4R | gate at step 1 / R |', '|---|---|---|---|---|---|---|---|---|---|---|']
     lines += [f"| {label(r)} | {r['seed']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
-              f"{r['best_R'] or 'dense'} | {cell(at_best(r, 'train'))} | {cell(at_best(r, 'dev'))} | "
+              f"{best_steps(r) or 'dense'} | {cell(at_best(r, 'train'))} | {cell(at_best(r, 'dev'))} | "
               f"{cell(at_best(r, 'test'))} | {cell(at_best(r, 'stretch'))} | "
-              f"{cell(at_best(r, 'test', 4) if r['best_R'] else None)} | {gate(r)} |" for r in records]
+              f"{cell(at_best(r, 'test', 4) if best_steps(r) else None)} | {gate(r)} |" for r in records]
     return lines
 
 
@@ -284,6 +291,11 @@ def all_records(c, runs, iters, D):
     return [json.load(open(path)) for path in mine + [p for p in others if p not in mine]]
 
 
+def devices(records):
+    """{device: runs trained there}; a record without the field trained on the CPU."""
+    return dict(Counter(r.get('device', 'cpu') for r in records))
+
+
 def write_report(c, records, D, wall_s):
     tasks = list(dict.fromkeys(r['task'] for r in records))
     lines = ['# Depth study', '',
@@ -291,9 +303,10 @@ def write_report(c, records, D, wall_s):
              f"dev D+1..D+2, test D+3..3D, stretch 3D+1..6D, each from its own seeds): the accuracy at the answers "
              f"that need exactly d steps, {c['examples']} sequences a difficulty. Every run in seeds/ (one JSON "
              f"a run, with its settings) is here. The last `python -m experiments.depth_study` into this folder "
-             f"took {wall_s / 60:.1f} min (runs already done are not redone). Machine: {cpu_line()}.", '',
+             f"took {wall_s / 60:.1f} min (runs already done are not redone). Machine: {cpu_line()}; runs trained "
+             f"on {', '.join(f'{d}: {n}' for d, n in devices(records).items())}.", '',
              '## Models', '', 'Training FLOPs a token, LM head excluded, at the depths training draws.', '']
-    lines += models_table(list(dict.fromkeys(r['model'] for r in records)), tasks[0].removeprefix('task:')) + ['']
+    lines += models_table(records, tasks[0].removeprefix('task:')) + ['']
     variants = {label(r): r['overrides'] for r in records if r.get('variant')}
     if variants:
         lines += ['Variants: ' + '; '.join(f"{name}: `{o}`" for name, o in variants.items()), '']
@@ -319,11 +332,15 @@ def main(argv=None):
     todo = [run for run in runs if not os.path.isfile(path := record_path(c, *run, iters, D))
             or not evaluated_as_asked(c, path)]
     print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish", flush=True)
-    with ThreadPoolExecutor(c['jobs']) as pool:
-        list(pool.map(lambda run: train_run(c, *run, iters, D), todo))
-    for run in runs:
+
+    def train_and_evaluate(run):  # each run's JSON as soon as it is trained: a stopped study keeps it
+        if run in todo:
+            train_run(c, *run, iters, D)
         evaluate_run(c, *run, iters, D)
         print(f"{run_name(c, *run, iters, D)}: evaluated", flush=True)
+
+    with ThreadPoolExecutor(c['jobs']) as pool:
+        list(pool.map(train_and_evaluate, runs))
     write_report(c, all_records(c, runs, iters, D), D, time.time() - t0)
     print(f"wrote {os.path.join(c['out_dir'], 'RESULTS.md')}")
 

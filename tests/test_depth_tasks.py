@@ -199,7 +199,7 @@ def test_the_command_prints_the_table_and_a_json_line(tmp_path, capsys):
         table.update(depth_eval.accuracy_table(model, task, ds, [1, 3, 4], 2, 'cpu', split)[0])
     assert record['accuracy'] == [[round(table[d][r], 4) for r in (1, 3, 4)] for d in record['difficulties']]
     dev = {r: (table[3][r] + table[4][r]) / 2 for r in (1, 3, 4)}
-    assert record['best_R'] == max((1, 3, 4), key=lambda r: (dev[r], -r))
+    assert record['best_R'] == max(r for r in (1, 3, 4) if dev[r] >= max(dev.values()) - 0.005)
     assert len(record['gate']) == 4 and any(line.startswith('mean gate g at steps 1..4') for line in lines)
     assert any('beyond training (d > 2)' in line for line in lines)
     assert os.path.getsize(os.path.join(out, 'depth_eval.png')) > 0
@@ -224,11 +224,14 @@ def test_the_splits_are_disjoint_in_seed_and_difficulty():
 
 
 def test_the_best_R_is_chosen_on_dev_alone():
-    """Where test would pick another R, the dev split decides; equal dev means pick the smaller R."""
-    record = dict(steps=[1, 2, 4], splits={'dev': [5], 'test': [7]}, difficulties=[5, 7],
-                  accuracy=[[0.2, 0.9, 0.9], [0.2, 0.3, 0.8]])
-    assert depth_eval.best_steps(record) == 2
-    assert depth_eval.split_means(record, 'test') == {1: 0.2, 2: 0.3, 4: 0.8}
+    """Where test would pick another R, the dev split decides: the largest R within 0.005 of the best
+    dev mean, so a tie goes to more steps and an R whose dev accuracy drifts down is passed over."""
+    record = dict(steps=[1, 2, 4, 8], splits={'dev': [5], 'test': [7]}, difficulties=[5, 7],
+                  accuracy=[[0.2, 0.9, 0.85, 0.5], [0.2, 0.3, 0.8, 0.9]])
+    assert depth_eval.best_steps(record) == 2  # test's best is 8; dev drops at 4 and 8
+    assert depth_eval.split_means(record, 'test') == {1: 0.2, 2: 0.3, 4: 0.8, 8: 0.9}
+    tied = dict(record, accuracy=[[0.2, 0.9, 0.897, 0.894], [0.2, 0.3, 0.8, 0.9]])
+    assert depth_eval.best_steps(tied) == 4  # 0.897 ties with 0.9, 0.894 does not
     assert depth_eval.best_steps(dict(record, steps=[None], accuracy=[[0.5], [0.5]])) is None
 
 
@@ -332,12 +335,27 @@ def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monk
     assert len(calls) == 3 and calls[-1][1]['init_from'] == 'resume' and calls[-1][1]['out_dir'] == str(run)
 
 
+def test_each_run_is_evaluated_before_the_next_trains_on_the_device_asked(tmp_path, monkeypatch):
+    """A study stopped mid-way keeps the JSON of every run it finished; --device reaches train.py."""
+    calls, seen = [], []
+    fake = fake_train_py(calls)
+
+    def run(cmd, **kwargs):
+        seen.append(sorted(os.listdir(tmp_path / 'seeds')) if os.path.isdir(tmp_path / 'seeds') else [])
+        return fake(cmd, **kwargs)
+    monkeypatch.setattr(depth_study.subprocess, 'run', run)
+    depth_study.main([f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
+                      '--steps=1', '--examples=2', '--split=dev', '--seeds=2', '--device=cpu'])
+    assert seen == [[], ['sum-D2-grt-5it-s0.json']]
+    assert [a['device'] for _, a in calls] == ['cpu', 'cpu']
+
+
 def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
     argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
             '--steps=1,2', '--examples=2', '--split=train,dev']
-    depth_study.main(argv + ['--seeds=2', '--variant=bias3', '--overrides=--gate_bias=3.0 --gate_noise=0.0'])
+    depth_study.main(argv + ['--seeds=2', '--variant=bias3', '--overrides=--gate_bias=3.0 --gate_noise=0.0 --n_recur=5'])
     assert [a['out_dir'] for _, a in calls] == [str(tmp_path / 'runs' / f'sum-D2-grt+bias3-5it-s{s}') for s in (0, 1)]
     assert all(a['gate_bias'] == '3.0' and a['gate_noise'] == '0.0' for _, a in calls)
     depth_study.main(argv)  # another study into the same folder: its report keeps the variant's seeds
@@ -345,6 +363,8 @@ def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, mon
     assert sorted(os.listdir(tmp_path / 'seeds')) == ['sum-D2-grt+bias3-5it-s0.json', 'sum-D2-grt+bias3-5it-s1.json',
                                                       'sum-D2-grt-5it-s0.json']
     assert '| grt+bias3 | 2 |' in report and '| grt | 1 |' in report and '| grt+bias3 | 1 |' in report
+    assert '| grt+bias3 | `config/depth/grt.py` | 1+1x5+1 |' in report  # the model as its overrides made it
+    assert '| grt | `config/depth/grt.py` | 1+1x8+1 |' in report
     with pytest.raises(SystemExit, match='--variant=NAME and --overrides'):
         depth_study.main(argv + ['--overrides=--gate_bias=3.0'])
 
@@ -402,6 +422,13 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
     assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
     assert os.path.getsize(tmp_path / 'saved' / 'depth_exit.png') > 0
+    dev = [sum(row[i] for row in record['exit_accuracy'][2:]) / 2 for i in (0, 1)]  # d = 3, 4
+    assert record['dev_threshold'] == (1e9 if dev[0] >= max(dev) - 0.005 else 1e-12)
+    fewer = dict(splits={'dev': [3]}, thresholds=[0.1, 0.01])
+    table = {3: dict(exit={0.1: (0.897, 4.0), 0.01: (0.9, 9.0)})}
+    assert depth_exit.dev_threshold(table, fewer['splits'], fewer['thresholds']) == 0.1  # ties: the fewer steps
+    table[3]['exit'][0.1] = (0.89, 4.0)
+    assert depth_exit.dev_threshold(table, fewer['splits'], fewer['thresholds']) == 0.01
 
 
 class Oracle(torch.nn.Module):
