@@ -44,6 +44,7 @@ NOT_RUN = {
     r'\[config/X\.py': 'a usage template, not a command',
     r'--nanogpt=': 'needs a checkout of karpathy/nanoGPT (the network)',
     r'^python -m benchmarks\.gpu_check$': 'a CUDA GPU',
+    r'--device=cuda': 'a CUDA GPU',
     r'benchmarks\.gpu_check --tiny=True': 'tests/test_benchmarks.py runs it (over a minute of compiling)',
     r'benchmarks\.shared_cores': 'times the quick start at full scale, waiting for idle cores: many minutes',
     r'^python -m experiments\.study$': 'the whole study: 45 training runs, about an hour',
