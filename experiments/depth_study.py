@@ -142,7 +142,7 @@ def evaluate_run(c, task, model, seed, iters, D):
         record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], c['device'])
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
-                      device=c['device'], seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
+                      device=c['device'], machine=cpu_line(), seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
                       ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
                       best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r))
     else:
@@ -303,8 +303,9 @@ def write_report(c, records, D, wall_s):
              f"dev D+1..D+2, test D+3..3D, stretch 3D+1..6D, each from its own seeds): the accuracy at the answers "
              f"that need exactly d steps, {c['examples']} sequences a difficulty. Every run in seeds/ (one JSON "
              f"a run, with its settings) is here. The last `python -m experiments.depth_study` into this folder "
-             f"took {wall_s / 60:.1f} min (runs already done are not redone). Machine: {cpu_line()}; runs trained "
-             f"on {', '.join(f'{d}: {n}' for d, n in devices(records).items())}.", '',
+             f"took {wall_s / 60:.1f} min (runs already done are not redone), on {cpu_line()}. Runs by the device "
+             f"they trained on: {', '.join(f'{d}: {n}' for d, n in devices(records).items())}; a JSON's "
+             f"machine (where recorded) is the one that evaluated it.", '',
              '## Models', '', 'Training FLOPs a token, LM head excluded, at the depths training draws.', '']
     lines += models_table(records, tasks[0].removeprefix('task:')) + ['']
     variants = {label(r): r['overrides'] for r in records if r.get('variant')}
