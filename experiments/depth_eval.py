@@ -13,9 +13,9 @@ from its own fixed seeds, so that choices made on one never see another's sequen
     stretch  3D+1 .. 6D       seeds 40000 + d   (13 .. 24), cut at the task's largest difficulty
 At difficulty d an eval set is `examples` sequences whose queries all need exactly d steps; the
 accuracy of the argmax prediction at those answers, at each R of --steps and the trained R
-(model(x, num_steps=R)). A dense model has no R: one column. The best R is the one of the highest mean
-dev accuracy, the largest of those within 0.005 of it. Prints the table, writes <out_dir>/depth_eval.png (accuracy
-against difficulty, a line per R) when matplotlib is installed, and prints a JSON line last.
+(model(x, num_steps=R)). A dense model has no R: one column. The best R is the largest R whose mean
+dev accuracy is within 0.005 of the highest. Prints the table, writes <out_dir>/depth_eval.png
+(accuracy against difficulty, a line per R) when matplotlib is installed, and prints a JSON line last.
 """
 
 import json

@@ -142,13 +142,14 @@ def evaluate_run(c, task, model, seed, iters, D):
         record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], c['device'])
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
-                      device=c['device'], machine=cpu_line(), seed=seed, iters=log[-1]['iter'], train_time_s=log[-1]['time_s'],
+                      device=c['device'], machine=cpu_line(), seed=seed, iters=log[-1]['iter'],
+                      train_time_s=log[-1]['time_s'],
                       ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
                       best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r))
     else:
         with open(path) as f:
             record = json.load(f)
-    record['best_R'] = best_steps(record)  # a record evaluated under another rule takes today's
+    record['best_R'] = best_steps(record)  # by best_steps' rule, also in a record written before it
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + '.tmp', 'w') as f:
         json.dump(record, f)
@@ -247,7 +248,8 @@ def at_best(record, split, factor=1):
     column); None where the split or that R was not evaluated."""
     if split not in record['splits']:
         return None
-    R = best_steps(record) and best_steps(record) * factor
+    R = best_steps(record)
+    R = R and R * factor
     return split_means(record, split).get(R)
 
 

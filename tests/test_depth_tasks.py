@@ -355,7 +355,8 @@ def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, mon
     monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
     argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
             '--steps=1,2', '--examples=2', '--split=train,dev']
-    depth_study.main(argv + ['--seeds=2', '--variant=bias3', '--overrides=--gate_bias=3.0 --gate_noise=0.0 --n_recur=5'])
+    depth_study.main(argv + ['--seeds=2', '--variant=bias3',
+                             '--overrides=--gate_bias=3.0 --gate_noise=0.0 --n_recur=5'])
     assert [a['out_dir'] for _, a in calls] == [str(tmp_path / 'runs' / f'sum-D2-grt+bias3-5it-s{s}') for s in (0, 1)]
     assert all(a['gate_bias'] == '3.0' and a['gate_noise'] == '0.0' for _, a in calls)
     depth_study.main(argv)  # another study into the same folder: its report keeps the variant's seeds
@@ -424,11 +425,10 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
     assert os.path.getsize(tmp_path / 'saved' / 'depth_exit.png') > 0
     dev = [sum(row[i] for row in record['exit_accuracy'][2:]) / 2 for i in (0, 1)]  # d = 3, 4
     assert record['dev_threshold'] == (1e9 if dev[0] >= max(dev) - 0.005 else 1e-12)
-    fewer = dict(splits={'dev': [3]}, thresholds=[0.1, 0.01])
-    table = {3: dict(exit={0.1: (0.897, 4.0), 0.01: (0.9, 9.0)})}
-    assert depth_exit.dev_threshold(table, fewer['splits'], fewer['thresholds']) == 0.1  # ties: the fewer steps
+    table = {3: dict(exit={0.1: (0.897, 4.0), 0.01: (0.9, 9.0)})}  # (accuracy, mean exit step) at d = 3
+    assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.1  # within 0.005: the fewer steps
     table[3]['exit'][0.1] = (0.89, 4.0)
-    assert depth_exit.dev_threshold(table, fewer['splits'], fewer['thresholds']) == 0.01
+    assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.01
 
 
 class Oracle(torch.nn.Module):
