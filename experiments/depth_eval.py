@@ -185,14 +185,18 @@ def split_means(record, split):
 DEV_TIE = 0.005  # dev means this close to the highest count as equal
 
 
+def largest_of_ties(dev_means):
+    """The largest key of {key: mean dev accuracy} among those within DEV_TIE of the highest mean."""
+    return max(k for k, mean in dev_means.items() if mean >= max(dev_means.values()) - DEV_TIE)
+
+
 def best_steps(record):
     """The largest R whose mean dev accuracy is within DEV_TIE of the highest (None for a dense model
     or without a dev split): the most steps dev still supports. Dev's few difficulties are solved from
     some R on, and a longer problem needs more steps; a state that drifts at large R loses dev accuracy."""
     if record['steps'] == [None] or 'dev' not in record['splits']:
         return None
-    means = split_means(record, 'dev')
-    return max(r for r in means if means[r] >= max(means.values()) - DEV_TIE)
+    return largest_of_ties(split_means(record, 'dev'))
 
 
 def as_table(record):

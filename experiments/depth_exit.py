@@ -21,7 +21,7 @@ import torch
 
 from common import fail, load_model, read_settings
 from early_exit import EarlyExit, ExitingModel
-from experiments.depth_eval import DEV_TIE, eval_set, parse_splits, parse_steps, plot_lines
+from experiments.depth_eval import eval_set, largest_of_ties, parse_splits, parse_steps, plot_lines
 from experiments.depth_tasks import make_task
 from model import RecurrentLM
 
@@ -59,11 +59,11 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
 
 
 def dev_threshold(table, splits, thresholds):
-    """The largest threshold whose mean dev accuracy is within DEV_TIE of the best one's; None without dev."""
+    """The largest threshold (fewest steps) whose mean dev accuracy ties the best one's; None without dev."""
     if 'dev' not in splits:
         return None
-    dev = {t: sum(table[d]['exit'][t][0] for d in splits['dev']) / len(splits['dev']) for t in thresholds}
-    return max(t for t in thresholds if dev[t] >= max(dev.values()) - DEV_TIE)
+    return largest_of_ties({t: sum(table[d]['exit'][t][0] for d in splits['dev']) / len(splits['dev'])
+                            for t in thresholds})
 
 
 def main(argv=None):
