@@ -240,7 +240,8 @@ def plot_task(records, D, path):
 
 
 def label(r):
-    return r['model'] + ('+' + r['variant'] if r.get('variant') else '')
+    """A report's row: the model, its variant and its iterations (runs differing in any are not pooled)."""
+    return r['model'] + ('+' + r['variant'] if r.get('variant') else '') + f" ({r['iters']} it)"
 
 
 def at_best(record, split, factor=1):

@@ -313,18 +313,20 @@ def test_the_study_trains_each_run_once_and_resumes_a_started_one(tmp_path, monk
             for config, args in calls] == [('config/depth/grt.py', 'task:sum', '2', '5', 'scratch'),
                                            ('config/depth/gpt_params.py', 'task:sum', '2', '5', 'scratch')]
     report = open(tmp_path / 'RESULTS.md').read()
-    rows = ['| grt | 1 |', '| grt | 3 |', '| grt | 4 |', '| gpt_params | dense |']  # the trained R = 3 added
+    rows = ['| grt (5 it) | 1 |', '| grt (5 it) | 3 |', '| grt (5 it) | 4 |',  # the trained R = 3 added
+            '| gpt_params (5 it) | dense |']
     accuracy = report.split('The mean over seeds at each R')[1]
     assert sorted(rows, key=accuracy.index) == rows  # by model, then R ascending
-    assert '| grt | `config/depth/grt.py` | 1+1x8+1 |' in report
+    assert '| grt (5 it) | `config/depth/grt.py` | 1+1x8+1 |' in report
     record = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))  # one JSON a run, every split
     assert record['seed'] == 0 and record['config'] == 'config/depth/grt.py' and record['overrides'] == ''
     assert record['splits'] == {'train': [1, 2], 'dev': [3, 4], 'test': [5, 6], 'stretch': [7, 8, 9, 10, 11, 12]}
     R, gate = record['best_R'], record['gate']
     means = {s: depth_study.split_means(record, s)[R] for s in record['splits']}
     four = depth_study.split_means(record, 'test').get(4 * R)  # R = 1: 4 is evaluated; R = 3 or 4: 4R is not
-    assert (f"| grt | 0 | 2.0000 | 2 | {R} | {means['train']:.3f} | {means['dev']:.3f} | {means['test']:.3f} | "
-            f"{means['stretch']:.3f} | {'' if four is None else f'{four:.3f}'} | {gate[0]:.3f} / {gate[2]:.3f} |") in report
+    assert (f"| grt (5 it) | 0 | 2.0000 | 2 | {R} | {means['train']:.3f} | {means['dev']:.3f} | "
+            f"{means['test']:.3f} | {means['stretch']:.3f} | {'' if four is None else f'{four:.3f}'} | "
+            f"{gate[0]:.3f} / {gate[2]:.3f} |") in report
     assert '| d=12 | train 1..2 | dev 3..4 | test 5..6 | stretch 7..12 |' in report
     assert os.path.getsize(tmp_path / 'sum.png') > 0
     depth_study.main(argv)  # everything done: nothing trains again
@@ -363,9 +365,13 @@ def test_a_variant_passes_its_overrides_and_every_seed_is_reported(tmp_path, mon
     report = open(tmp_path / 'RESULTS.md').read()
     assert sorted(os.listdir(tmp_path / 'seeds')) == ['sum-D2-grt+bias3-5it-s0.json', 'sum-D2-grt+bias3-5it-s1.json',
                                                       'sum-D2-grt-5it-s0.json']
-    assert '| grt+bias3 | 2 |' in report and '| grt | 1 |' in report and '| grt+bias3 | 1 |' in report
-    assert '| grt+bias3 | `config/depth/grt.py` | 1+1x5+1 |' in report  # the model as its overrides made it
-    assert '| grt | `config/depth/grt.py` | 1+1x8+1 |' in report
+    assert '| grt+bias3 (5 it) | 2 |' in report and '| grt (5 it) | 1 |' in report
+    assert '| grt+bias3 (5 it) | 1 |' in report
+    assert '| grt+bias3 (5 it) | `config/depth/grt.py` | 1+1x5+1 |' in report  # the model as its overrides made it
+    assert '| grt (5 it) | `config/depth/grt.py` | 1+1x8+1 |' in report
+    depth_study.main([a.replace('--max_iters=5', '--max_iters=6') for a in argv])  # trained longer: its own row
+    summary = open(tmp_path / 'RESULTS.md').read().split('| model | seed |')[0]
+    assert '| grt (5 it) | 1 |' in summary and '| grt (6 it) | 1 |' in summary
     with pytest.raises(SystemExit, match='--variant=NAME and --overrides'):
         depth_study.main(argv + ['--overrides=--gate_bias=3.0'])
 
@@ -381,7 +387,7 @@ def test_another_split_into_the_same_folder_reevaluates_and_reports_both(tmp_pat
     seed0, seed1 = (json.load(open(tmp_path / 'seeds' / f'sum-D2-grt-5it-s{s}.json')) for s in (0, 1))
     assert list(seed0['splits']) == ['train', 'dev'] and list(seed1['splits']) == ['train', 'dev', 'test', 'stretch']
     accuracy = open(tmp_path / 'RESULTS.md').read().split('The mean over seeds at each R')[1]
-    row = next(line for line in accuracy.splitlines() if line.startswith('| grt | 1 |')).split(' | ')
+    row = next(line for line in accuracy.splitlines() if line.startswith('| grt (5 it) | 1 |')).split(' | ')
     by_d = lambda r: dict(zip(r['difficulties'], (a[r['steps'].index(1)] for a in r['accuracy'])))
     assert row[2] == f"{(by_d(seed0)[1] + by_d(seed1)[1]) / 2:.3f}"  # d = 1: the mean of both seeds
     assert row[2 + 11] == f"{by_d(seed1)[12]:.3f}"  # d = 12: seed 1's alone
