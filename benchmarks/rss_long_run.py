@@ -105,9 +105,13 @@ def main():
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, r in results.items():
         batch = [p['batch'] for p in r['curve']]
