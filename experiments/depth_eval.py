@@ -190,13 +190,17 @@ def largest_of_ties(dev_means):
     return max(k for k, mean in dev_means.items() if mean >= max(dev_means.values()) - DEV_TIE)
 
 
+MAX_R = 64  # R is chosen among the evaluated R up to this; larger R are there to read overthinking (4R)
+
+
 def best_steps(record):
-    """The largest R whose mean dev accuracy is within DEV_TIE of the highest (None for a dense model
-    or without a dev split): the most steps dev still supports. Dev's few difficulties are solved from
-    some R on, and a longer problem needs more steps; a state that drifts at large R loses dev accuracy."""
+    """The largest R <= MAX_R whose mean dev accuracy is within DEV_TIE of the highest (None for a dense
+    model or without a dev split): the most steps dev still supports. Dev's few difficulties are solved
+    from some R on, and a longer problem needs more steps; a state that drifts at large R loses dev accuracy."""
     if record['steps'] == [None] or 'dev' not in record['splits']:
         return None
-    return largest_of_ties(split_means(record, 'dev'))
+    dev = split_means(record, 'dev')
+    return largest_of_ties({r: mean for r, mean in dev.items() if r <= MAX_R} or dev)
 
 
 def as_table(record):

@@ -224,8 +224,8 @@ def test_the_splits_are_disjoint_in_seed_and_difficulty():
 
 
 def test_the_best_R_is_chosen_on_dev_alone():
-    """Where test would pick another R, the dev split decides: the largest R within 0.005 of the best
-    dev mean, so a tie goes to more steps and an R whose dev accuracy drifts down is passed over."""
+    """Where test would pick another R, the dev split decides: the largest R up to 64 within 0.005 of
+    the best dev mean, so a tie goes to more steps and an R whose dev accuracy drifts down is passed over."""
     record = dict(steps=[1, 2, 4, 8], splits={'dev': [5], 'test': [7]}, difficulties=[5, 7],
                   accuracy=[[0.2, 0.9, 0.85, 0.5], [0.2, 0.3, 0.8, 0.9]])
     assert depth_eval.best_steps(record) == 2  # test's best is 8; dev drops at 4 and 8
@@ -233,6 +233,8 @@ def test_the_best_R_is_chosen_on_dev_alone():
     tied = dict(record, accuracy=[[0.2, 0.9, 0.897, 0.894], [0.2, 0.3, 0.8, 0.9]])
     assert depth_eval.best_steps(tied) == 4  # 0.897 ties with 0.9, 0.894 does not
     assert depth_eval.best_steps(dict(record, steps=[None], accuracy=[[0.5], [0.5]])) is None
+    flat = dict(record, steps=[1, 64, 128, 256], accuracy=[[0.2, 1.0, 1.0, 1.0], [0.2, 0.9, 0.9, 0.5]])
+    assert depth_eval.best_steps(flat) == 64  # R is chosen up to MAX_R; 256 = 4 x 64 reads overthinking
 
 
 def test_the_gate_is_eq_5_at_every_step():
