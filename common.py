@@ -33,6 +33,19 @@ def fail(message):
     sys.exit(f"error: {message}")
 
 
+def pyplot(missing="matplotlib is not installed: no plot (pip install matplotlib)"):
+    """matplotlib.pyplot drawing to files (the Agg backend), or None after printing `missing` where
+    matplotlib is not installed (it is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(missing)
+        return None
+    return plt
+
+
 def read_settings(defaults, argv=None):
     """A script's settings: its defaults, then the config files and --key=value arguments of argv
     (the command line if None), read by config.parse_config; a bad one stops with one line."""

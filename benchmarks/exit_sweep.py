@@ -19,7 +19,7 @@ import sys
 import torch
 
 from bench import VAL_WINDOW_LEN, human, synchronizer, teacher_forced_decode, val_windows
-from common import fail, load_model, pick_device, pick_dtype, read_settings, share_cores
+from common import fail, load_model, pick_device, pick_dtype, pyplot, read_settings, share_cores
 from early_exit import EarlyExit, check_early_exit, probe_flops
 
 DEFAULTS = dict(
@@ -138,12 +138,8 @@ def print_sweep(result):
 
 def plot_sweep(result, path):
     """Loss against mean core steps per token (left) and against batch-1 decode ms/token (right)."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(the plot needs matplotlib: pip install matplotlib; the table above has every figure)")
+    plt = pyplot("(the plot needs matplotlib: pip install matplotlib; the table above has every figure)")
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {None: ('fixed depth r = 1..R', 'k', 's'), 'state': ("exit: 'state'", 'tab:blue', 'o'),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import prepare_data
-from common import Batches
+from common import Batches, pyplot
 from registry import build_model
 
 VOCAB = 256  # the tokens are random ids below it: the memory under test is the token file's, not the model's
@@ -105,12 +105,8 @@ def main():
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, r in results.items():

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from common import fail, load_model, pick_device, read_settings
+from common import fail, load_model, pick_device, pyplot, read_settings
 from experiments.analyze import trace
 from experiments.depth_tasks import TaskBatches, make_task
 from model import GRT, RecurrentLM
@@ -113,12 +113,8 @@ def plot_lines(path, title, difficulties, lines, chance, trained, styles=None, y
     (styles {label: matplotlib line keywords}; default a viridis colour each), chance dotted (None: no
     chance line, the y axis from the data), the trained range shaded; the legend beside the axes, so it
     hides no line. Returns path, or None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.axvspan(min(difficulties) - 0.5, trained + 0.5, color='0.92', label=f'trained on 1..{trained}')
