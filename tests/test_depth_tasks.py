@@ -2,6 +2,7 @@
 generators, answers and step counts that a written-out solver confirms, a loss that reads only the
 answers, and an accuracy table equal to a prediction-by-prediction computation."""
 
+import glob
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from experiments.depth_tasks import TASKS, TaskBatches, make_task, task_batches
 from registry import build_model
 
 BLOCK = 64
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(model_type, vocab_size, seed=0):
@@ -235,6 +237,16 @@ def test_the_best_R_is_chosen_on_dev_alone():
     assert depth_eval.best_steps(dict(record, steps=[None], accuracy=[[0.5], [0.5]])) is None
     flat = dict(record, steps=[1, 64, 128, 256], accuracy=[[0.2, 1.0, 1.0, 1.0], [0.2, 0.9, 0.9, 0.5]])
     assert depth_eval.best_steps(flat) == 64  # R is chosen up to MAX_R; 256 = 4 x 64 reads overthinking
+
+
+def test_every_committed_run_stores_the_R_that_dev_chooses():
+    """A reader of results/depth/*/seeds/*.json finds in best_R what the reports use: best_steps' choice."""
+    paths = sorted(glob.glob(os.path.join(REPO, 'results', 'depth', '*', 'seeds', '*.json')))
+    assert len(paths) > 100
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        assert record['best_R'] == depth_eval.best_steps(record), path
 
 
 def test_the_gate_is_eq_5_at_every_step():
