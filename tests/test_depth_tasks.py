@@ -240,13 +240,16 @@ def test_the_best_R_is_chosen_on_dev_alone():
 
 
 def test_every_committed_run_stores_the_R_that_dev_chooses():
-    """A reader of results/depth/*/seeds/*.json finds in best_R what the reports use: best_steps' choice."""
-    paths = sorted(glob.glob(os.path.join(REPO, 'results', 'depth', '*', 'seeds', '*.json')))
+    """A reader of a committed depth_eval record (depth_study's results/depth/*/seeds/, depth_eval's JSON
+    lines in results/depth/dev_variants/) finds in best_R what the reports use: best_steps' choice."""
+    depth = os.path.join(REPO, 'results', 'depth')
+    paths = sorted(glob.glob(os.path.join(depth, '*', 'seeds', '*.json')) +
+                   glob.glob(os.path.join(depth, 'dev_variants', '*.json')))
     assert len(paths) > 100
     for path in paths:
         with open(path) as f:
             record = json.load(f)
-        assert record['best_R'] == depth_eval.best_steps(record), path
+        assert record['best_R'] == depth_eval.best_steps(record), (path, record['best_R'])
 
 
 def test_the_gate_is_eq_5_at_every_step():
