@@ -26,6 +26,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # the repository root
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 62 characters
 
 

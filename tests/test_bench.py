@@ -13,11 +13,10 @@ import torch
 
 import bench
 import prepare_data
-from conftest import CHARS, save_checkpoint, tiny_model
+from conftest import CHARS, HERE, save_checkpoint, tiny_model
 from early_exit import ExitingModel
 from kv_cache import KV_MODES
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 JSON_KEYS = {'scale', 'device', 'dtype', 'batch_size', 'prompt_len', 'new_tokens', 'models'}
 
 

@@ -13,9 +13,8 @@ import torch
 
 import common
 import prepare_data
-from conftest import save_checkpoint, tiny_model
+from conftest import HERE, save_checkpoint, tiny_model
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def one_line_error(excinfo):

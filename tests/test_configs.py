@@ -16,10 +16,10 @@ from experiments import study
 from experiments.depth_tasks import make_task
 import train
 from config import parse_config
+from conftest import HERE
 from prepare_data import GPT2_VOCAB_SIZE, write_tokens
 from registry import MODELS, PRESETS, build_model
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONFIGS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, 'config', '**', '*.py'), recursive=True)
                  if not p.endswith('__init__.py'))  # the recipes too: each parses and trains on its own
 MODEL_FIELDS = set().union(*(config_class.__dataclass_fields__ for config_class, _ in MODELS.values()))

@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import save_checkpoint, scramble
+from conftest import HERE, save_checkpoint, scramble
 from experiments import depth_eval, depth_study, study
 from experiments.depth_tasks import TASKS, TaskBatches, make_task, task_batches
 from registry import build_model
 
 BLOCK = 64
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(model_type, vocab_size, seed=0):
@@ -242,7 +241,7 @@ def test_the_best_R_is_chosen_on_dev_alone():
 def test_every_committed_run_stores_the_R_that_dev_chooses():
     """A reader of a committed depth_eval record (depth_study's results/depth/*/seeds/, depth_eval's JSON
     lines in results/depth/dev_variants/) finds in best_R what the reports use: best_steps' choice."""
-    depth = os.path.join(REPO, 'results', 'depth')
+    depth = os.path.join(HERE, 'results', 'depth')
     paths = sorted(glob.glob(os.path.join(depth, '*', 'seeds', '*.json')) +
                    glob.glob(os.path.join(depth, 'dev_variants', '*.json')))
     assert len(paths) > 100

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import sample
-from conftest import CHARS, save_checkpoint, scramble, tiny_model
+from conftest import CHARS, HERE, save_checkpoint, scramble, tiny_model
 from kv_cache import KV_MODES
 from registry import from_checkpoint
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def run_sample(capsys, *args):

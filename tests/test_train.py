@@ -29,12 +29,11 @@ import torch
 import common
 import prepare_data
 import train
-from conftest import tiny_hf_gpt2
+from conftest import HERE, tiny_hf_gpt2
 from prepare_data import write_tokens
 from registry import build_model
 from experiments.depth_tasks import task_batches
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 VOCAB = 16
 
 
