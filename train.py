@@ -66,6 +66,7 @@ TRAIN_DEFAULTS = dict(
     warmup_iters=2000,
     lr_decay_iters=0,  # iterations of cosine decay to min_lr; 0 = max_iters
     min_lr=6e-5,
+    final_gate_noise=-1.0,  # a GRT's eps_g std: linear from gate_noise to this over lr_decay_iters; < 0: constant
     # system
     device='auto',  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype='auto',  # 'auto', 'float32', 'bfloat16' or 'float16' (CUDA only, with a GradScaler)
@@ -158,6 +159,7 @@ def train(c):
 
     # compile by regions (each block once, on first use: the first iterations are slow), then DDP
     compiled, compile_note = resolve_compile(c['compile'], device_type, model.config.n_embd)
+    start_gate_noise = check_gate_noise_ramp(c, model, compiled)
     if compiled:
         compile_regions(model)
     trained = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None) if ddp else model
@@ -200,7 +202,8 @@ def train(c):
 
     def checkpoint_state(val_loss=None):
         """best.pt's (given val_loss): the weights and what describes them; else ckpt.pt's: all resume needs."""
-        state = dict(model_type=model_type, model_args=asdict(model.config), model=model.state_dict(),
+        args = asdict(model.config) if start_gate_noise is None else dict(asdict(model.config), gate_noise=start_gate_noise)
+        state = dict(model_type=model_type, model_args=args, model=model.state_dict(),
                      meta=meta, config=c, iter_num=iter_num)
         if val_loss is not None:
             return dict(state, val_loss=val_loss)
@@ -246,6 +249,8 @@ def train(c):
                 lr = get_lr(iter_num, c)
                 for group in optimizer.param_groups:
                     group['lr'] = lr
+                if start_gate_noise is not None:
+                    model.config.gate_noise = get_gate_noise(iter_num, c, start_gate_noise)
                 if hasattr(model, 'set_iteration'):  # a schedule inside the model (MoR's capacity warm-up)
                     model.set_iteration(iter_num)
                 loss_sum, depths = torch.zeros((), device=device), []
@@ -453,6 +458,25 @@ def get_lr(it, c):
         return c['min_lr']
     ratio = (it - c['warmup_iters']) / max(1, decay_iters - c['warmup_iters'])
     return c['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c['learning_rate'] - c['min_lr'])
+
+
+def check_gate_noise_ramp(c, model, compiled):
+    """The gate noise a ramp starts from (the model's gate_noise, which its checkpoints keep), or None
+    without one (final_gate_noise < 0)."""
+    if c['final_gate_noise'] < 0:
+        return None
+    if not hasattr(model.config, 'gate_noise'):
+        fail(f"final_gate_noise ramps a GRT's gate noise (eps_g); a {model_type_of(model)} has none: leave it out")
+    if compiled:
+        fail("final_gate_noise changes the gate noise every iteration, which recompiles a compiled model; "
+             "add --compile=False")
+    return model.config.gate_noise
+
+
+def get_gate_noise(it, c, start):
+    """eps_g's std at iteration it: linear from start to final_gate_noise over lr_decay_iters, then held."""
+    decay_iters = c['lr_decay_iters'] or c['max_iters']
+    return start + (c['final_gate_noise'] - start) * min(it / decay_iters, 1.0)
 
 
 def main(argv=None):

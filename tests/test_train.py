@@ -30,6 +30,7 @@ import common
 import prepare_data
 import train
 from conftest import HERE, tiny_hf_gpt2
+from model import GRT
 from prepare_data import write_tokens
 from registry import build_model
 from experiments.depth_tasks import task_batches
@@ -116,8 +117,9 @@ def test_training_lowers_the_loss(data_root, tmp_path, model):
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(data_root, tmp_path):
-    """GRT with dropout and both noises on and 2 micro-steps: every random draw is covered."""
-    common = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, gradient_accumulation_steps=2, dropout=0.1)
+    """GRT with dropout, both noises on (the gate noise ramping) and 2 micro-steps: every random draw is covered."""
+    common = dict(max_iters=12, lr_decay_iters=12, eval_interval=6, gradient_accumulation_steps=2, dropout=0.1,
+                  final_gate_noise=0.5)
     train.main(tiny_args(data_root, tmp_path / 'full', 'grt', **common))
     train.main(tiny_args(data_root, tmp_path / 'split', 'grt', **{**common, 'max_iters': 6}))
     assert read_log(tmp_path / 'split')[-1]['iter'] == 6
@@ -128,6 +130,26 @@ def test_resume_repeats_the_uninterrupted_run_exactly(data_root, tmp_path):
     a = torch.load(tmp_path / 'full' / 'ckpt.pt', weights_only=False)['model']
     b = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=False)['model']
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_gate_noise_ramps_linearly_to_final_gate_noise(data_root, tmp_path, monkeypatch):
+    """eps_g's std in each training step: gate_noise at iteration 0, + (final - start) * it / max_iters after."""
+    stds = []
+    noise = GRT.noise
+
+    def recording_noise(self, like, std):
+        if self.training and std != self.config.state_noise:
+            stds.append(std)
+        return noise(self, like, std)
+
+    monkeypatch.setattr(GRT, 'noise', recording_noise)
+    train.main(tiny_args(data_root, tmp_path, 'grt', max_iters=4, eval_interval=4, gate_noise=1.0,
+                         final_gate_noise=2.0, state_noise=0.0, train_depth="'fixed'"))
+    assert stds == [1.0] * 3 + [1.25] * 3 + [1.5] * 3 + [1.75] * 3  # r = 3 steps an iteration
+    saved = torch.load(tmp_path / 'ckpt.pt', weights_only=False)['model_args']
+    assert saved['gate_noise'] == 1.0  # where the ramp starts, so resume rebuilds the same run
+    assert [train.get_gate_noise(it, dict(final_gate_noise=0.0, lr_decay_iters=10, max_iters=20), 0.5)
+            for it in (0, 5, 10, 15)] == [0.5, 0.25, 0.0, 0.0]  # over lr_decay_iters, then held
 
 
 def test_init_from_gpt2_fine_tunes_gpt2s_weights_and_resumes_exactly(data_root, tmp_path, monkeypatch):
@@ -285,6 +307,10 @@ def test_bad_config_and_mismatched_checkpoint_are_refused(data_root, tmp_path):
     assert "unknown config key 'always_save_checkpoint'" in message  # ckpt.pt is written at every evaluation
     message = run_error(tiny_args(data_root, tmp_path, 'gpt', compile='sometimes'))
     assert "compile must be True, False or 'auto'" in message
+    message = run_error(tiny_args(data_root, tmp_path, 'gpt', final_gate_noise=1.0))
+    assert "a gpt has none" in message
+    message = run_error(tiny_args(data_root, tmp_path, 'grt', final_gate_noise=1.0, compile=True))
+    assert 'recompiles' in message and '--compile=False' in message
     train.main(tiny_args(data_root, tmp_path, 'gpt', max_iters=1, eval_interval=1))
     message = run_error(tiny_args(data_root, tmp_path, 'gpt', n_layer=3, n_embd=48, init_from='resume'))
     assert 'n_layer (checkpoint 2, config 3)' in message and 'n_embd (checkpoint 32, config 48)' in message
