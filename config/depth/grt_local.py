@@ -5,7 +5,7 @@
 # 1 + 1x4 + 1, heavy-tailed training depths (Huginn's, E[r] = 5) that keep the state stable past R,
 # gate bias 0. Training FLOPs 1.08x config/depth/grt.py's (attention counted in full).
 # The recipe of docs/depth.md, chosen on dev, adds to it: --position=none --gate_bias=3.0
-# --input_difficulty=8 --n_recur=8 --backprop_depth=4 --gate_noise=1.0 --max_iters=3000
+# --input_difficulty=8 --n_recur=8 --backprop_depth=4 --gate_noise=1.0 --final_gate_noise=2.0 --max_iters=3000
 from config.depth.recipe import *
 
 out_dir = 'out-depth-grt-local'
