@@ -202,7 +202,7 @@ def train(c):
 
     def checkpoint_state(val_loss=None):
         """best.pt's (given val_loss): the weights and what describes them; else ckpt.pt's: all resume needs."""
-        args = asdict(model.config) if start_gate_noise is None else dict(asdict(model.config), gate_noise=start_gate_noise)
+        args = dict(asdict(model.config), **({} if start_gate_noise is None else {'gate_noise': start_gate_noise}))
         state = dict(model_type=model_type, model_args=args, model=model.state_dict(),
                      meta=meta, config=c, iter_num=iter_num)
         if val_loss is not None:
@@ -461,8 +461,7 @@ def get_lr(it, c):
 
 
 def check_gate_noise_ramp(c, model, compiled):
-    """The gate noise a ramp starts from (the model's gate_noise, which its checkpoints keep), or None
-    without one (final_gate_noise < 0)."""
+    """The ramp's start, the model's gate_noise (which checkpoints keep); None without a ramp."""
     if c['final_gate_noise'] < 0:
         return None
     if not hasattr(model.config, 'gate_noise'):
@@ -475,8 +474,7 @@ def check_gate_noise_ramp(c, model, compiled):
 
 def get_gate_noise(it, c, start):
     """eps_g's std at iteration it: linear from start to final_gate_noise over lr_decay_iters, then held."""
-    decay_iters = c['lr_decay_iters'] or c['max_iters']
-    return start + (c['final_gate_noise'] - start) * min(it / decay_iters, 1.0)
+    return start + (c['final_gate_noise'] - start) * min(it / (c['lr_decay_iters'] or c['max_iters']), 1.0)
 
 
 def main(argv=None):
