@@ -40,7 +40,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2 has them
     gelu_approximate: str = 'none'  # exact GELU, as nanoGPT; 'tanh': GPT-2's own (from_pretrained)
     attn_window: int = 0  # w > 0: a token attends to itself and the w - 1 tokens before it (local); 0: to all
-    position: str = 'learned'  # 'learned': GPT-2's absolute position embedding wpe; 'none': no positions
+    position: str = 'learned'  # 'learned': GPT-2's position embedding wpe; 'none': no positions; 'alibi': relative
 
     def __post_init__(self):
         check(min(self.block_size, self.vocab_size, self.n_head, self.n_embd) >= 1,
@@ -49,7 +49,8 @@ class GPTConfig:
               f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): pick one of its divisors")
         check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.attn_window >= 0, f"attn_window must be >= 0 (0: every earlier token), got {self.attn_window}")
-        check(self.position in ('learned', 'none'), f"position must be 'learned' or 'none', got {self.position!r}")
+        check(self.position in ('learned', 'none', 'alibi'),
+              f"position must be 'learned', 'none' or 'alibi', got {self.position!r}")
         check(self.gelu_approximate in ('none', 'tanh'),
               f"gelu_approximate must be 'none' (exact GELU) or 'tanh', got {self.gelu_approximate!r}")
 
@@ -113,6 +114,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
         self.window = config.attn_window
+        # ALiBi (Press et al., 2022): head h's scores fall by slope_h per token of distance, slopes 2^(-8h/n_head)
+        slopes = 2.0 ** (-8.0 * torch.arange(1, config.n_head + 1) / config.n_head)
+        self.register_buffer('alibi_slopes', slopes if config.position == 'alibi' else None, persistent=False)
 
     def forward(self, x, cache=None):
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
@@ -125,12 +129,16 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, nh, past + T, hs)
         dropout_p = self.dropout if self.training else 0.0
         # causal self-attention; (B, nh, T, hs) x (B, nh, hs, past + T) -> (B, nh, T, past + T)
-        if past == 0 and not self.window:
+        if past == 0 and not self.window and self.alibi_slopes is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:  # new token t, at position past + t, sees the keys up to itself: all, or the last `window`
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             if self.window:  # and none before position past + t - window + 1
                 mask = mask.triu(diagonal=past - self.window + 1)
+            if self.alibi_slopes is not None:  # the mask becomes a bias: -slope_h * (query's - key's position)
+                distance = torch.arange(past, past + T, device=x.device)[:, None] - torch.arange(past + T, device=x.device)
+                bias = -self.alibi_slopes.view(-1, 1, 1) * distance
+                mask = bias.to(q.dtype).masked_fill(~mask, float('-inf'))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         # output projection
@@ -229,7 +237,7 @@ class LanguageModel(nn.Module):
         end = start + idx.size(1)
         check(end <= self.config.block_size, f"sequence of {end} tokens exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)
-        if self.transformer.wpe is not None:  # position 'none': order only from the causal mask
+        if self.transformer.wpe is not None:  # 'none', 'alibi': no wpe, order from the mask
             x = x + self.transformer.wpe(torch.arange(start, end, dtype=torch.long, device=idx.device))
         return self.transformer.drop(x)
 

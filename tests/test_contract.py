@@ -126,3 +126,48 @@ def test_under_autocast_every_block_keeps_the_residual_stream_in_fp32(model):
     with torch.autocast('cpu', dtype=torch.bfloat16):
         model(idx, targets=idx)
     assert dtypes == {torch.float32}
+
+
+# -----------------------------------------------------------------------------
+# The attention's masks: a window (local attention) and ALiBi's relative bias
+
+
+@pytest.mark.parametrize('window, position', [(0, 'learned'), (2, 'none'), (5, 'learned'), (0, 'alibi'), (3, 'alibi')])
+def test_attention_equals_an_explicit_softmax(window, position):
+    """CausalSelfAttention against scores written out: q.k / sqrt(hs), minus slope_h * (i - j) under ALiBi
+    (slopes 2^-2, 2^-4, 2^-6, 2^-8 for 4 heads), over the keys j <= i with i - j < window."""
+    from model import CausalSelfAttention, GPTConfig
+    torch.manual_seed(0)
+    attention = CausalSelfAttention(GPTConfig(n_embd=D, n_head=4, attn_window=window, position=position)).eval()
+    x = torch.randn(2, 9, D)
+    q, k, v = (t.view(2, 9, 4, D // 4).transpose(1, 2) for t in attention.c_attn(x).split(D, dim=2))
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    scores = q @ k.transpose(-1, -2) / (D // 4) ** 0.5
+    if position == 'alibi':
+        scores = scores - torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256]).view(4, 1, 1) * (i - j)
+    seen = (j <= i) & ((i - j < window) if window else True)
+    y = (scores.masked_fill(~seen, float('-inf')).softmax(-1) @ v).transpose(1, 2).reshape(2, 9, D)
+    torch.testing.assert_close(attention(x), attention.c_proj(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('fields', [dict(attn_window=2), dict(position='alibi'), dict(attn_window=3, position='alibi')])
+@pytest.mark.parametrize('model_type', ['gpt', 'grt'])
+def test_local_and_alibi_attention_cached_equal_uncached(model_type, fields):
+    """With a window or ALiBi, decoding from the cache gives the full forward's logits, and greedy
+    generation past block_size (the cache rebuilt as the context slides) the uncached tokens."""
+    torch.manual_seed(0)
+    model = build_model(model_type, vocab_size=V, block_size=S, n_embd=D, n_head=4, **FIELDS[model_type], **fields)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+    model.eval()
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(4))
+    cache = model.new_kv_cache(16)
+    steps = [logits_all(model, idx[:, :5], kv_cache=cache)] + [model(idx[:, t:t + 1], kv_cache=cache)[0]
+                                                             for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), logits_all(model, idx), rtol=1e-4, atol=1e-4)
+    cached = model.generate(idx[:, :5], 40, temperature=0)
+    assert torch.equal(cached, model.generate(idx[:, :5], 40, temperature=0, use_cache=False))
+    if fields.get('position') == 'alibi':
+        assert model.transformer.wpe is None and not any('alibi' in k for k in model.state_dict())
