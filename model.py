@@ -105,10 +105,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # key, query, value projections for all heads, in a batch
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        # output projection
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v of all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # output projection
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
@@ -219,7 +217,8 @@ class LanguageModel(nn.Module):
 
     def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
         """idx (B, T) -> (logits, loss): with targets, every position's logits and the loss (target -1 is
-        ignored); without, the last position's. kv_cache holds earlier tokens; num_steps is the depth r."""
+        ignored); without, the last position's. kv_cache holds earlier tokens, idx the tokens after them;
+        num_steps is a recurrent model's depth r."""
         x = self.embed(idx, kv_cache)
         x = self.body(x, num_steps, kv_cache)
         return self.head(x, targets)
@@ -251,9 +250,10 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None,
                         use_cache=True, kv_mode='per_step', forward=None):
-        """Yield max_new_tokens sampled tokens after idx (B, T), each (B, 1). The cache prefills the prompt
-        in one pass, then each token costs one position's pass; a context past block_size is cropped to its
-        last block_size tokens and the cache rebuilt. forward: what runs the model (or early_exit's)."""
+        """Yield max_new_tokens sampled tokens after idx (B, T), each (B, 1). With the cache the prompt is
+        prefilled in one pass, then each token costs one position's pass; a context past block_size is
+        cropped to its last block_size tokens and the cache rebuilt. forward: what runs the model (self;
+        early_exit.ExitingModel passes itself)."""
         if not use_cache and kv_mode != 'per_step':
             raise ValueError(f"kv_mode={kv_mode!r} is a KV-cache approximation; it needs use_cache=True")
         forward = forward or self
@@ -363,7 +363,7 @@ class RecurrentLM(LanguageModel):
         return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0
 
     def body(self, x, num_steps=None, kv_cache=None):
-        """The forward pass after the embeddings: e = Prelude(x), h0 = e, r recurrence steps, Coda(h)."""
+        """After the embeddings: e = Prelude(x), h = initial_state(e) (e by default), r steps, Coda(h)."""
         r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
         caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
         check(len(caches) == self.num_block_passes(r),
@@ -403,12 +403,10 @@ class GRT(RecurrentLM):
 
     def recurrence_step(self, h, e, caches):
         c = self.config
-        eps_x = self.noise(h, c.state_noise)  # fresh at every step in training, 0 in eval
-        eps_g = self.noise(h, c.gate_noise)
+        eps_x, eps_g = self.noise(h, c.state_noise), self.noise(h, c.gate_noise)  # fresh each step; 0 in eval
         u = self.W_proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2
         o = self.run_core(u, caches)  # Eq. 3: the same core weights at every step
-        f = self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1))
-        g = torch.sigmoid(f / c.gate_tau + eps_g)  # Eq. 5
+        g = torch.sigmoid(self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
         return g * h + (1 - g) * o  # Eq. 4
 
     def f_g(self, x):
