@@ -28,7 +28,6 @@ from kv_cache import KV_MODES, KVCache, recurrent_kv_cache
 # -----------------------------------------------------------------------------
 # Configurations
 
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -106,10 +105,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # key, query, value projections for all heads, in a batch
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        # output projection
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v of all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # output projection
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
@@ -121,9 +118,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cache=None):
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
         q, k, v = self.c_attn(x).split(C, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         past = 0 if cache is None else cache.length  # earlier tokens, whose keys and values are cached
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, past + T, hs)
@@ -141,7 +136,6 @@ class CausalSelfAttention(nn.Module):
                 mask = bias.to(q.dtype).masked_fill(~mask, float('-inf'))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-        # output projection
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -182,7 +176,6 @@ def run_blocks(blocks, x, caches):
 # -----------------------------------------------------------------------------
 # What every language model here shares: embeddings, tied head, loss, init, generation
 
-
 class LanguageModel(nn.Module):
     """Token and position embeddings -> body (the subclass's) -> ln_f -> tied LM head."""
 
@@ -209,12 +202,10 @@ class LanguageModel(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * residual_depth))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=True):
         """Unique parameters (the tied head once); non_embedding leaves out both embedding tables."""
@@ -225,9 +216,9 @@ class LanguageModel(nn.Module):
         return n
 
     def forward(self, idx, targets=None, num_steps=None, kv_cache=None):
-        """idx (B, T) -> (logits, loss). With targets: logits at every position and the loss (target
-        -1 is ignored); without: logits at the last position. kv_cache (new_kv_cache) holds earlier
-        tokens, idx the tokens after them. num_steps: the recurrence depth r (recurrent models)."""
+        """idx (B, T) -> (logits, loss): with targets, every position's logits and the loss (target -1 is
+        ignored); without, the last position's. kv_cache holds earlier tokens, idx the tokens after them;
+        num_steps is a recurrent model's depth r."""
         x = self.embed(idx, kv_cache)
         x = self.body(x, num_steps, kv_cache)
         return self.head(x, targets)
@@ -259,10 +250,10 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, num_steps=None,
                         use_cache=True, kv_mode='per_step', forward=None):
-        """Yield max_new_tokens sampled tokens after idx (B, T), each (B, 1). With the cache the prompt
-        is prefilled in one pass, then each token costs one position's pass. A context longer than
-        block_size is cropped to its last block_size tokens and the cache rebuilt, since every
-        position shifts. forward: what runs the model (self; early_exit.ExitingModel passes itself)."""
+        """Yield max_new_tokens sampled tokens after idx (B, T), each (B, 1). With the cache the prompt is
+        prefilled in one pass, then each token costs one position's pass; a context past block_size is
+        cropped to its last block_size tokens and the cache rebuilt. forward: what runs the model (self;
+        early_exit.ExitingModel passes itself)."""
         if not use_cache and kv_mode != 'per_step':
             raise ValueError(f"kv_mode={kv_mode!r} is a KV-cache approximation; it needs use_cache=True")
         forward = forward or self
@@ -295,7 +286,6 @@ class LanguageModel(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Recurrent depth: the loop GRT and the baselines share
-
 
 class RecurrentLM(LanguageModel):
     """Prelude -> r steps of one shared core -> coda. A subclass says what one step does
@@ -338,8 +328,7 @@ class RecurrentLM(LanguageModel):
         return c.n_recur if c.train_depth == 'fixed' else (c.n_recur + 1) / 2
 
     def num_block_passes(self, r):
-        c = self.config
-        return c.n_prelude + c.n_core * r + c.n_coda
+        return self.config.n_prelude + self.config.n_core * r + self.config.n_coda
 
     def new_kv_cache(self, max_len, num_steps=None, kv_mode='per_step'):
         c = self.config
@@ -355,25 +344,6 @@ class RecurrentLM(LanguageModel):
 
     def step_flops(self):
         return 0  # FLOPs per token of one step beyond its core blocks
-
-    def body(self, x, num_steps=None, kv_cache=None):
-        r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
-        caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
-        check(len(caches) == self.num_block_passes(r),
-              f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
-        p, core = self.config.n_prelude, self.config.n_core * r
-        e = run_blocks(self.transformer.prelude, x, caches[:p])
-        h = self.recur(self.initial_state(e), e, r, caches[p:p + core])
-        return run_blocks(self.transformer.coda, self.before_coda(h), caches[p + core:])
-
-    def recur(self, h, e, r, caches):
-        """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
-        n, k = self.config.n_core, self.config.backprop_depth
-        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: last k steps only
-        for step in range(r):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
-                h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
-        return h
 
     def initial_state(self, e):
         if self.config.init_state == 'random':  # Huginn's h0: TruncNormal(0, 0.02^2), its mean 0 in eval
@@ -392,10 +362,29 @@ class RecurrentLM(LanguageModel):
         """N(0, std^2) shaped like `like` in training, 0 in eval."""
         return torch.empty_like(like).normal_(0.0, std) if self.training else 0.0
 
+    def body(self, x, num_steps=None, kv_cache=None):
+        """After the embeddings: e = Prelude(x), h = initial_state(e) (e by default), r steps, Coda(h)."""
+        r = self.resolve_steps(num_steps)  # training: drawn by sample_depth (the paper: U{1..R}); eval: R
+        caches = kv_cache or [None] * self.num_block_passes(r)  # prelude, core layer j at step s, coda
+        check(len(caches) == self.num_block_passes(r),
+              f"kv_cache was made for another depth: build it with new_kv_cache(max_len, {r})")
+        p, core = self.config.n_prelude, self.config.n_core * r
+        e = run_blocks(self.transformer.prelude, x, caches[:p])
+        h = self.recur(self.initial_state(e), e, r, caches[p:p + core])
+        return run_blocks(self.transformer.coda, self.before_coda(h), caches[p + core:])
+
+    def recur(self, h, e, r, caches):
+        """r recurrence steps from the state h; e, the prelude output, is re-read at every step."""
+        n, k = self.config.n_core, self.config.backprop_depth
+        steps_without_grad = max(r - k, 0) if self.training and k else 0  # truncated backprop: last k steps only
+        for step in range(r):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_without_grad):
+                h = self.recurrence_step(h, e, caches[step * n:(step + 1) * n])
+        return h
+
 
 # -----------------------------------------------------------------------------
 # The Gated Recurrent Transformer
-
 
 class GRT(RecurrentLM):
     """The paper's gated recurrence: W_proj re-injects the prelude output e into the noisy state, the
@@ -414,12 +403,10 @@ class GRT(RecurrentLM):
 
     def recurrence_step(self, h, e, caches):
         c = self.config
-        eps_x = self.noise(h, c.state_noise)  # fresh at every step in training, 0 in eval
-        eps_g = self.noise(h, c.gate_noise)
+        eps_x, eps_g = self.noise(h, c.state_noise), self.noise(h, c.gate_noise)  # fresh each step; 0 in eval
         u = self.W_proj(torch.cat([h + eps_x, e], dim=-1))  # Eq. 2
         o = self.run_core(u, caches)  # Eq. 3: the same core weights at every step
-        f = self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1))
-        g = torch.sigmoid(f / c.gate_tau + eps_g)  # Eq. 5
+        g = torch.sigmoid(self.f_g(torch.cat([self.ln_h(h), self.ln_e(e)], dim=-1)) / c.gate_tau + eps_g)  # Eq. 5
         return g * h + (1 - g) * o  # Eq. 4
 
     def f_g(self, x):
@@ -431,7 +418,6 @@ class GRT(RecurrentLM):
 
 # -----------------------------------------------------------------------------
 # GPT-2, the dense baseline
-
 
 class GPT(LanguageModel):
 
@@ -456,7 +442,6 @@ class GPT(LanguageModel):
 
 # -----------------------------------------------------------------------------
 # Helpers
-
 
 def sample_next(logits, temperature=1.0, top_k=None):
     """Draw one token per row from (B, vocab) logits; temperature 0 means greedy."""
