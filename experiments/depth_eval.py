@@ -181,9 +181,9 @@ def split_means(record, split):
 DEV_TIE = 0.005  # dev means this close to the highest count as equal
 
 
-def largest_of_ties(dev_means):
-    """The largest key of {key: mean dev accuracy} among those within DEV_TIE of the highest mean."""
-    return max(k for k, mean in dev_means.items() if mean >= max(dev_means.values()) - DEV_TIE)
+def largest_of_ties(dev_means, tie=DEV_TIE):
+    """The largest key of {key: mean dev accuracy} among those within tie of the highest mean."""
+    return max(k for k, mean in dev_means.items() if mean >= max(dev_means.values()) - tie)
 
 
 MAX_R = 64  # R is chosen among the evaluated R up to this; larger R are there to read overthinking (4R)

@@ -11,7 +11,7 @@ change ||h_s - h_(s-1)|| / ||h_(s-1)|| falls below the threshold. On each split'
 that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
 <save_dir>/depth_exit.png (mean exit step against d, a line per threshold) and depth_exit.json, the JSON
 line it prints last (save_dir: out_dir unless given). With a dev split it chooses the threshold there:
-the largest (fewest steps) whose mean dev accuracy is within 0.005 of the best threshold's.
+the largest (fewest steps) whose mean dev accuracy is within `tie` of the best threshold's.
 """
 
 import json
@@ -34,6 +34,7 @@ DEFAULTS = dict(
     split='train,dev,test',
     examples=64,  # sequences per difficulty
     save_dir='',  # where depth_exit.png and depth_exit.json go; '' = out_dir
+    tie=0.005,  # dev accuracies this close to the best count as tied; 0: never give up dev accuracy for steps
 )
 
 
@@ -58,12 +59,13 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
     return table
 
 
-def dev_threshold(table, splits, thresholds):
-    """The largest threshold (fewest steps) whose mean dev accuracy ties the best one's; None without dev."""
+def dev_threshold(table, splits, thresholds, tie=0.005):
+    """The largest threshold (fewest steps) whose mean dev accuracy is within tie of the best one's; None
+    without dev."""
     if 'dev' not in splits:
         return None
     return largest_of_ties({t: sum(table[d]['exit'][t][0] for d in splits['dev']) / len(splits['dev'])
-                            for t in thresholds})
+                            for t in thresholds}, tie)
 
 
 def main(argv=None):
@@ -81,6 +83,8 @@ def main(argv=None):
         thresholds = []
     if not thresholds or min(thresholds) <= 0:
         fail(f"thresholds must be comma-separated numbers > 0, e.g. --thresholds=0.01,0.001; got {c['thresholds']!r}")
+    if c['tie'] < 0:
+        fail(f"tie is how far below the best dev accuracy a threshold may be and still be chosen: give a number >= 0, got {c['tie']}")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     splits = parse_splits(c['split'], trained['difficulty'], task)
     steps = sorted(set(parse_steps(c['steps'])) | {c['max_steps']})
@@ -92,7 +96,7 @@ def main(argv=None):
         fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
         exits = ' '.join(f"{a:.3f} / {s:<5.1f}" for a, s in row['exit'].values())
         print(f"{d:<2} | {fixed} | {exits}")
-    chosen = dev_threshold(table, splits, thresholds)
+    chosen = dev_threshold(table, splits, thresholds, c['tie'])
     if chosen is not None:
         means = [f"{s} {sum(table[d]['exit'][chosen][0] for d in ds) / len(ds):.3f} at "
                  f"{sum(table[d]['exit'][chosen][1] for d in ds) / len(ds):.1f} steps" for s, ds in splits.items()]
@@ -107,7 +111,7 @@ def main(argv=None):
         print(f"wrote {path}")
     record = json.dumps(dict(
         out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps, thresholds=thresholds,
-        dev_threshold=chosen, splits=splits, examples=c['examples'],
+        dev_threshold=chosen, tie=c['tie'], splits=splits, examples=c['examples'],
         fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
         exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],
         exit_steps=[[round(table[d]['exit'][t][1], 3) for t in thresholds] for d in difficulties]))

@@ -449,6 +449,7 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
     assert record['dev_threshold'] == (1e9 if dev[0] >= max(dev) - 0.005 else 1e-12)
     table = {3: dict(exit={0.1: (0.897, 4.0), 0.01: (0.9, 9.0)})}  # (accuracy, mean exit step) at d = 3
     assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.1  # within 0.005: the fewer steps
+    assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01], tie=0) == 0.01  # no tie: the best
     table[3]['exit'][0.1] = (0.89, 4.0)
     assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.01
 
