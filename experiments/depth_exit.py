@@ -21,7 +21,7 @@ import torch
 
 from common import fail, load_model, read_settings
 from early_exit import EarlyExit, ExitingModel
-from experiments.depth_eval import eval_set, largest_of_ties, parse_splits, parse_steps, plot_lines
+from experiments.depth_eval import DEV_TIE, eval_set, largest_of_ties, parse_splits, parse_steps, plot_lines
 from experiments.depth_tasks import make_task
 from model import RecurrentLM
 
@@ -34,7 +34,7 @@ DEFAULTS = dict(
     split='train,dev,test',
     examples=64,  # sequences per difficulty
     save_dir='',  # where depth_exit.png and depth_exit.json go; '' = out_dir
-    tie=0.005,  # dev accuracies this close to the best count as tied; 0: never give up dev accuracy for steps
+    tie=DEV_TIE,  # dev accuracies this close to the best count as tied; 0: never give up dev accuracy for steps
 )
 
 
@@ -59,7 +59,7 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
     return table
 
 
-def dev_threshold(table, splits, thresholds, tie=0.005):
+def dev_threshold(table, splits, thresholds, tie=DEV_TIE):
     """The largest threshold (fewest steps) whose mean dev accuracy is within tie of the best one's; None
     without dev."""
     if 'dev' not in splits:
@@ -84,7 +84,7 @@ def main(argv=None):
     if not thresholds or min(thresholds) <= 0:
         fail(f"thresholds must be comma-separated numbers > 0, e.g. --thresholds=0.01,0.001; got {c['thresholds']!r}")
     if c['tie'] < 0:
-        fail(f"tie is how far below the best dev accuracy a threshold may be and still be chosen: give a number >= 0, got {c['tie']}")
+        fail(f"tie must be a number >= 0 (how far below the best dev accuracy a chosen threshold may be), got {c['tie']}")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     splits = parse_splits(c['split'], trained['difficulty'], task)
     steps = sorted(set(parse_steps(c['steps'])) | {c['max_steps']})
