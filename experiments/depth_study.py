@@ -25,7 +25,10 @@ Each run is `python train.py config/depth/<model>.py --dataset=task:<task> --see
 in <out_dir>/runs/<run>/ (train.log, log.jsonl, ckpt.pt, best.pt; not committed). Its evaluation of
 best.pt, with its settings, goes to <out_dir>/seeds/<run>.json (committed): a run with one is done and
 never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C and rerun loses at most one
-evaluation interval. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
+evaluation interval. With --redraw=K a run whose mean dev accuracy at its best R is below DEV_FLOOR
+(0.9) trains again from seed S + 1000 k into <run>-drawk/ (k = 1..K) until a draw reaches the floor
+or K are spent; its JSON is the last draw's (draw, train_seed) with every earlier draw's record in
+earlier_draws, and the report shows them. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
 out): the models, per task each run's best R on dev and its split means there, the mean and lowest seed
 per model, and accuracy by model and R against difficulty; and <out_dir>/<task>.png.
 """
@@ -67,7 +70,10 @@ DEFAULTS = dict(
     jobs=1,  # runs trained at once, sharing the cores: 1 gives each run all of them
     threads=0,  # torch threads a run; 0 = the cores shared equally among the jobs
     device='cpu',  # where the runs train and are evaluated: 'cpu', 'cuda', ...
+    redraw=0,  # draws a run may take past its first while its dev accuracy stays below DEV_FLOOR
 )
+DEV_FLOOR = 0.9  # mean dev accuracy at the best R under which a run has not learned the step (docs/depth.md)
+DRAW_SEED_STEP = 1000  # draw k of seed S trains with --seed=S + 1000 k
 CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'loop_local', 'gated_local',
                                                          'gpt_params', 'gpt_flops', 'gpt_params_local', 'gpt_flops_local',
                                                          'huginn')}
@@ -108,8 +114,8 @@ def run_name(c, task, model, seed, iters, D):
     return f"{task}-D{D}-{model}{'+' + c['variant'] if c['variant'] else ''}-{iters}it-s{seed}"
 
 
-def run_dir(c, task, model, seed, iters, D):
-    return os.path.join(c['out_dir'], 'runs', run_name(c, task, model, seed, iters, D))
+def run_dir(c, task, model, seed, iters, D, draw=0):
+    return os.path.join(c['out_dir'], 'runs', run_name(c, task, model, seed, iters, D) + (f'-draw{draw}' if draw else ''))
 
 
 def record_path(c, task, model, seed, iters, D):
@@ -117,13 +123,13 @@ def record_path(c, task, model, seed, iters, D):
     return os.path.join(c['out_dir'], 'seeds', run_name(c, task, model, seed, iters, D) + '.json')
 
 
-def train_run(c, task, model, seed, iters, D):
-    """Train one run to max_iters (resuming a started one); stop the study with one line if it fails."""
-    out = run_dir(c, task, model, seed, iters, D)
+def train_run(c, task, model, seed, iters, D, draw=0):
+    """Train one run's draw to max_iters (resuming a started one); stop the study with one line if it fails."""
+    out = run_dir(c, task, model, seed, iters, D, draw)
     os.makedirs(out, exist_ok=True)
     resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
     cmd = [sys.executable, 'train.py', CONFIGS[model], f'--dataset=task:{task}', f'--difficulty={D}',
-           f'--seed={seed}', f'--max_iters={iters}', f'--out_dir={out}', f"--device={c['device']}",
+           f'--seed={seed + DRAW_SEED_STEP * draw}', f'--max_iters={iters}', f'--out_dir={out}', f"--device={c['device']}",
            f"--init_from={'resume' if resume else 'scratch'}"] + c['overrides'].split()
     threads = c['threads'] or max(1, (os.cpu_count() or 1) // c['jobs'])
     with open(os.path.join(out, 'train.log'), 'a') as log:
@@ -134,27 +140,41 @@ def train_run(c, task, model, seed, iters, D):
              f"python -m experiments.depth_study to continue")
 
 
-def evaluate_run(c, task, model, seed, iters, D):
-    """The run's depth_eval record with its settings and training time, kept in <out_dir>/seeds/<run>.json."""
-    out = run_dir(c, task, model, seed, iters, D)
+def evaluate_run(c, task, model, seed, iters, D, draw=0, earlier=None):
+    """The depth_eval record of a run's draw with its settings and training time, kept in
+    <out_dir>/seeds/<run>.json with the records of the draws before it (earlier: the last of them)."""
+    out = run_dir(c, task, model, seed, iters, D, draw)
     path = record_path(c, task, model, seed, iters, D)
-    if not os.path.isfile(path) or not evaluated_as_asked(c, path):
+    kept = json.load(open(path)) if os.path.isfile(path) else {}
+    if not kept or kept.get('draw', 0) != draw or not evaluated_as_asked(c, path):
         record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], c['device'])
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
-                      device=c['device'], machine=cpu_line(), seed=seed, iters=log[-1]['iter'],
+                      device=c['device'], machine=cpu_line(), seed=seed, draw=draw,
+                      train_seed=seed + DRAW_SEED_STEP * draw, iters=log[-1]['iter'],
                       train_time_s=log[-1]['time_s'],
                       ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
-                      best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r))
+                      best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r),
+                      earlier_draws=earlier_draws(earlier) if earlier else kept.get('earlier_draws', []))
     else:
-        with open(path) as f:
-            record = json.load(f)
+        record = kept
     record['best_R'] = best_steps(record)  # by best_steps' rule, also in a record written before it
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + '.tmp', 'w') as f:
         json.dump(record, f)
     os.replace(path + '.tmp', path)
     return record
+
+
+def earlier_draws(record):
+    """The records of a draw and of every draw before it, oldest first."""
+    return record.get('earlier_draws', []) + [{k: v for k, v in record.items() if k != 'earlier_draws'}]
+
+
+def redraw_due(c, record):
+    """Whether a run's draw is below DEV_FLOOR on dev with draws left (--redraw) to try again."""
+    dev = at_best(record, 'dev')
+    return dev is not None and dev < DEV_FLOOR and record.get('draw', 0) < c['redraw']
 
 
 def evaluated_as_asked(c, path):
@@ -262,12 +282,19 @@ def seeds_table(records):
 
     def gate(r):
         return f"{r['gate'][0]:.3f} / {r['gate'][r['trained_R'] - 1]:.3f}" if r.get('gate') else ''
+
+    def seed(r):
+        return f"{r['seed']} (trained as {r['train_seed']})" if r.get('draw') else str(r['seed'])
+
+    def draws(r):  # each earlier draw's training seed: its dev / test at its own best R
+        return '; '.join(f"{d.get('train_seed', d['seed'])}: {cell(at_best(d, 'dev'))} / {cell(at_best(d, 'test'))}"
+                         for d in r.get('earlier_draws', []))
     lines = ['| model | seed | best val loss | training time (s) | best R (dev) | train | dev | test | stretch | '
-             'test at 4R | gate at step 1 / R |', '|---|---|---|---|---|---|---|---|---|---|---|']
-    lines += [f"| {label(r)} | {r['seed']} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
+             'test at 4R | gate at step 1 / R | earlier draws: dev / test |', '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    lines += [f"| {label(r)} | {seed(r)} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
               f"{best_steps(r) or 'dense'} | {cell(at_best(r, 'train'))} | {cell(at_best(r, 'dev'))} | "
               f"{cell(at_best(r, 'test'))} | {cell(at_best(r, 'stretch'))} | "
-              f"{cell(at_best(r, 'test', 4) if best_steps(r) else None)} | {gate(r)} |" for r in records]
+              f"{cell(at_best(r, 'test', 4) if best_steps(r) else None)} | {gate(r)} | {draws(r)} |" for r in records]
     return lines
 
 
@@ -333,15 +360,22 @@ def main(argv=None):
         fail(f"jobs and seeds must be at least 1; got {c['jobs']} and {c['seeds']}")
     runs, iters, D = plan(c)
     t0 = time.time()
-    todo = [run for run in runs if not os.path.isfile(path := record_path(c, *run, iters, D))
-            or not evaluated_as_asked(c, path)]
-    print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish", flush=True)
+    kept = {run: json.load(open(path)) for run in runs if os.path.isfile(path := record_path(c, *run, iters, D))}
+    todo = [run for run in runs if run not in kept or not evaluated_as_asked(c, record_path(c, *run, iters, D))]
+    again = [run for run in kept if run not in todo and redraw_due(c, kept[run])]
+    print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish, "
+          f"{len(again)} to draw again", flush=True)
 
-    def train_and_evaluate(run):  # each run's JSON as soon as it is trained: a stopped study keeps it
+    def train_and_evaluate(run):  # each draw's JSON as soon as it is trained: a stopped study keeps it
+        draw = kept.get(run, {}).get('draw', 0)
         if run in todo:
-            train_run(c, *run, iters, D)
-        evaluate_run(c, *run, iters, D)
-        print(f"{run_name(c, *run, iters, D)}: evaluated", flush=True)
+            train_run(c, *run, iters, D, draw)
+        record = evaluate_run(c, *run, iters, D, draw)
+        while redraw_due(c, record):  # below DEV_FLOOR on dev: train the run again from another seed
+            draw += 1
+            train_run(c, *run, iters, D, draw)
+            record = evaluate_run(c, *run, iters, D, draw, earlier=record)
+        print(f"{run_name(c, *run, iters, D)}: evaluated" + (f" (draw {draw})" if draw else ''), flush=True)
 
     with ThreadPoolExecutor(c['jobs']) as pool:
         list(pool.map(train_and_evaluate, runs))

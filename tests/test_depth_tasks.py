@@ -484,3 +484,29 @@ def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
     assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0)
     right, cut = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
     assert cut == 1.0 and 0 < right < 0.5  # right only where the first two operands combine to the identity
+
+
+def test_a_run_below_the_dev_floor_is_drawn_again_and_every_draw_is_kept(tmp_path, monkeypatch):
+    """--redraw=1: a run whose dev accuracy at its best R is under DEV_FLOOR (an untrained model's is)
+    trains once more from seed + 1000 in its own folder; its JSON keeps the first draw's record."""
+    calls = []
+    monkeypatch.setattr(depth_study.subprocess, 'run', fake_train_py(calls))
+    argv = [f'--out_dir={tmp_path}', '--tasks=sum', '--models=grt', '--max_iters=5', '--difficulty=2',
+            '--steps=1,2', '--examples=2', '--split=dev,test']
+    depth_study.main(argv)  # --redraw=0: the draw below the floor is kept as it is
+    first = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))
+    assert depth_study.at_best(first, 'dev') < depth_study.DEV_FLOOR
+    assert len(calls) == 1 and first['draw'] == 0 and first['train_seed'] == 0 and first['earlier_draws'] == []
+    depth_study.main(argv + ['--redraw=1'])
+    assert [(a['seed'], a['out_dir'], a['init_from']) for _, a in calls[1:]] == [
+        ('1000', str(tmp_path / 'runs' / 'sum-D2-grt-5it-s0-draw1'), 'scratch')]
+    record = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))
+    assert record['seed'] == 0 and record['draw'] == 1 and record['train_seed'] == 1000
+    assert [{k: v for k, v in d.items() if k != 'best_R'} for d in record['earlier_draws']] == [
+        {k: v for k, v in first.items() if k not in ('earlier_draws', 'best_R')}]
+    report = open(tmp_path / 'RESULTS.md').read()
+    dev, test = (depth_study.at_best(first, s) for s in ('dev', 'test'))
+    assert f"| grt (5 it) | 0 (trained as 1000) | 2.0000 |" in report
+    assert f"| 0: {dev:.3f} / {test:.3f} |" in report
+    depth_study.main(argv + ['--redraw=1'])  # draws spent: nothing trains again
+    assert len(calls) == 2
