@@ -358,6 +358,8 @@ def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     if c['jobs'] < 1 or c['seeds'] < 1:
         fail(f"jobs and seeds must be at least 1; got {c['jobs']} and {c['seeds']}")
+    if c['redraw'] < 0 or c['redraw'] and 'dev' not in c['split'].split(','):
+        fail(f"--redraw={c['redraw']} needs a count of at least 0 and dev in --split (the floor is read on dev)")
     runs, iters, D = plan(c)
     t0 = time.time()
     kept = {run: json.load(open(path)) for run in runs if os.path.isfile(path := record_path(c, *run, iters, D))}

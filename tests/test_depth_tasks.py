@@ -510,3 +510,5 @@ def test_a_run_below_the_dev_floor_is_drawn_again_and_every_draw_is_kept(tmp_pat
     assert f"| 0: {dev:.3f} / {test:.3f} |" in report
     depth_study.main(argv + ['--redraw=1'])  # draws spent: nothing trains again
     assert len(calls) == 2
+    with pytest.raises(SystemExit, match='dev in --split'):
+        depth_study.main(argv[:-1] + ['--split=test', '--redraw=1'])
