@@ -27,8 +27,8 @@ best.pt, with its settings, goes to <out_dir>/seeds/<run>.json (committed): a ru
 never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C and rerun loses at most one
 evaluation interval. With --redraw=K a run whose mean dev accuracy at its best R is below DEV_FLOOR
 (0.9) trains again from seed S + 1000 k into <run>-drawk/ (k = 1..K) until a draw reaches the floor
-or K are spent; its JSON is the last draw's (draw, train_seed) with every earlier draw's record in
-earlier_draws, and the report shows them. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
+or K are spent; its JSON is the last draw's (draw, train_seed; a JSON without them is a first draw)
+with every earlier draw's record, as it was evaluated, in earlier_draws, and the report shows them. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
 out): the models, per task each run's best R on dev and its split means there, the mean and lowest seed
 per model, and accuracy by model and R against difficulty; and <out_dir>/<task>.png.
 """

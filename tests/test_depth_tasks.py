@@ -314,7 +314,7 @@ def fake_train_py(calls):
         save_checkpoint(args['out_dir'], tiny(model_type, task.vocab_size), model_type,
                         config=dict(dataset=args['dataset'], difficulty=int(args['difficulty']), block_size=None))
         with open(os.path.join(args['out_dir'], 'log.jsonl'), 'w') as f:
-            f.write(json.dumps(dict(iter=int(args['max_iters']), time_s=1.5, val_loss=2.0)) + '\n')
+            f.write(json.dumps(dict(iter=int(args['max_iters']), time_s=1.5, val_loss=2.0 + int(args['seed']) / 1e4)) + '\n')
         return subprocess.CompletedProcess(cmd, 0)
     return run
 
@@ -502,13 +502,21 @@ def test_a_run_below_the_dev_floor_is_drawn_again_and_every_draw_is_kept(tmp_pat
         ('1000', str(tmp_path / 'runs' / 'sum-D2-grt-5it-s0-draw1'), 'scratch')]
     record = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))
     assert record['seed'] == 0 and record['draw'] == 1 and record['train_seed'] == 1000
+    assert record['best_val_loss'] == 2.1  # draw 1's own run, not draw 0's
     assert [{k: v for k, v in d.items() if k != 'best_R'} for d in record['earlier_draws']] == [
         {k: v for k, v in first.items() if k not in ('earlier_draws', 'best_R')}]
     report = open(tmp_path / 'RESULTS.md').read()
     dev, test = (depth_study.at_best(first, s) for s in ('dev', 'test'))
-    assert f"| grt (5 it) | 0 (trained as 1000) | 2.0000 |" in report
+    assert f"| grt (5 it) | 0 (trained as 1000) | 2.1000 |" in report
     assert f"| 0: {dev:.3f} / {test:.3f} |" in report
     depth_study.main(argv + ['--redraw=1'])  # draws spent: nothing trains again
     assert len(calls) == 2
+    depth_study.main(argv + ['--redraw=2'])  # one more draw, appended after the first two
+    record = json.load(open(tmp_path / 'seeds' / 'sum-D2-grt-5it-s0.json'))
+    assert [a['seed'] for _, a in calls] == ['0', '1000', '2000']
+    assert (record['draw'], [d['train_seed'] for d in record['earlier_draws']]) == (2, [0, 1000])
+    monkeypatch.setattr(depth_study, 'DEV_FLOOR', 0.0)  # every draw reaches the floor: none is drawn again
+    depth_study.main(argv + ['--redraw=3'])
+    assert len(calls) == 3
     with pytest.raises(SystemExit, match='dev in --split'):
         depth_study.main(argv[:-1] + ['--split=test', '--redraw=1'])
