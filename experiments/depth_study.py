@@ -28,9 +28,10 @@ never redone; a run with a checkpoint resumes (--init_from=resume), so Ctrl-C an
 evaluation interval. With --redraw=K a run whose mean dev accuracy at its best R is below DEV_FLOOR
 (0.9) trains again from seed S + 1000 k into <run>-drawk/ (k = 1..K) until a draw reaches the floor
 or K are spent; its JSON is the last draw's (draw, train_seed; a JSON without them is a first draw)
-with every earlier draw's record, as it was evaluated, in earlier_draws, and the report shows them. At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left
-out): the models, per task each run's best R on dev and its split means there, the mean and lowest seed
-per model, and accuracy by model and R against difficulty; and <out_dir>/<task>.png.
+with every earlier draw's record, as it was evaluated, in earlier_draws, and the report shows them.
+At the end it writes <out_dir>/RESULTS.md from every JSON in seeds/ (no seed left out): the models, per
+task each run's best R on dev and its split means there, the mean and lowest seed per model, and
+accuracy by model and R against difficulty; and <out_dir>/<task>.png.
 """
 
 import json
@@ -115,7 +116,8 @@ def run_name(c, task, model, seed, iters, D):
 
 
 def run_dir(c, task, model, seed, iters, D, draw=0):
-    return os.path.join(c['out_dir'], 'runs', run_name(c, task, model, seed, iters, D) + (f'-draw{draw}' if draw else ''))
+    suffix = f'-draw{draw}' if draw else ''  # draw 0 keeps the run's name
+    return os.path.join(c['out_dir'], 'runs', run_name(c, task, model, seed, iters, D) + suffix)
 
 
 def record_path(c, task, model, seed, iters, D):
@@ -290,7 +292,7 @@ def seeds_table(records):
         return '; '.join(f"{d.get('train_seed', d['seed'])}: {cell(at_best(d, 'dev'))} / {cell(at_best(d, 'test'))}"
                          for d in r.get('earlier_draws', []))
     lines = ['| model | seed | best val loss | training time (s) | best R (dev) | train | dev | test | stretch | '
-             'test at 4R | gate at step 1 / R | earlier draws: dev / test |', '|---|---|---|---|---|---|---|---|---|---|---|---|']
+             'test at 4R | gate at step 1 / R | earlier draws: dev / test |', '|---' * 12 + '|']
     lines += [f"| {label(r)} | {seed(r)} | {r['best_val_loss']:.4f} | {r['train_time_s']:.0f} | "
               f"{best_steps(r) or 'dense'} | {cell(at_best(r, 'train'))} | {cell(at_best(r, 'dev'))} | "
               f"{cell(at_best(r, 'test'))} | {cell(at_best(r, 'stretch'))} | "
