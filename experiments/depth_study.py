@@ -74,7 +74,7 @@ DEFAULTS = dict(
     redraw=0,  # draws a run may take past its first while its dev accuracy stays below DEV_FLOOR
 )
 DEV_FLOOR = 0.9  # mean dev accuracy at the best R under which a run has not learned the step (docs/depth.md)
-DRAW_SEED_STEP = 1000  # draw k of seed S trains with --seed=S + 1000 k
+DRAW_SEED_STEP = 1000  # draw k of seed S trains with --seed=S + 1000 k (train_seed)
 CONFIGS = {name: f'config/depth/{name}.py' for name in ('grt', 'grt_fixed', 'grt_local', 'loop_local', 'gated_local',
                                                          'gpt_params', 'gpt_flops', 'gpt_params_local', 'gpt_flops_local',
                                                          'huginn')}
@@ -125,13 +125,18 @@ def record_path(c, task, model, seed, iters, D):
     return os.path.join(c['out_dir'], 'seeds', run_name(c, task, model, seed, iters, D) + '.json')
 
 
+def train_seed(seed, draw):
+    """The --seed that draw k of a run's seed trains with."""
+    return seed + DRAW_SEED_STEP * draw
+
+
 def train_run(c, task, model, seed, iters, D, draw=0):
     """Train one run's draw to max_iters (resuming a started one); stop the study with one line if it fails."""
     out = run_dir(c, task, model, seed, iters, D, draw)
     os.makedirs(out, exist_ok=True)
     resume = os.path.isfile(os.path.join(out, 'ckpt.pt'))
     cmd = [sys.executable, 'train.py', CONFIGS[model], f'--dataset=task:{task}', f'--difficulty={D}',
-           f'--seed={seed + DRAW_SEED_STEP * draw}', f'--max_iters={iters}', f'--out_dir={out}', f"--device={c['device']}",
+           f'--seed={train_seed(seed, draw)}', f'--max_iters={iters}', f'--out_dir={out}', f"--device={c['device']}",
            f"--init_from={'resume' if resume else 'scratch'}"] + c['overrides'].split()
     threads = c['threads'] or max(1, (os.cpu_count() or 1) // c['jobs'])
     with open(os.path.join(out, 'train.log'), 'a') as log:
@@ -148,12 +153,12 @@ def evaluate_run(c, task, model, seed, iters, D, draw=0, earlier=None):
     out = run_dir(c, task, model, seed, iters, D, draw)
     path = record_path(c, task, model, seed, iters, D)
     kept = json.load(open(path)) if os.path.isfile(path) else {}
-    if not kept or kept.get('draw', 0) != draw or not evaluated_as_asked(c, path):
+    if not kept or kept.get('draw', 0) != draw or not evaluated_as_asked(c, kept):
         record = evaluate_checkpoint(out, 'best.pt', c['steps'], c['split'], c['examples'], c['device'])
         log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
         record.update(model=model, config=CONFIGS[model], variant=c['variant'], overrides=c['overrides'],
                       device=c['device'], machine=cpu_line(), seed=seed, draw=draw,
-                      train_seed=seed + DRAW_SEED_STEP * draw, iters=log[-1]['iter'],
+                      train_seed=train_seed(seed, draw), iters=log[-1]['iter'],
                       train_time_s=log[-1]['time_s'],
                       ms_per_step=round(1000 * log[-1]['time_s'] / max(1, log[-1]['iter']), 1),
                       best_val_loss=min(r['val_loss'] for r in log if 'val_loss' in r),
@@ -179,10 +184,8 @@ def redraw_due(c, record):
     return dev is not None and dev < DEV_FLOOR and record.get('draw', 0) < c['redraw']
 
 
-def evaluated_as_asked(c, path):
-    """Whether the record at path holds the splits, steps and examples this command asks for."""
-    with open(path) as f:
-        record = json.load(f)
+def evaluated_as_asked(c, record):
+    """Whether a run's record holds the splits, steps and examples this command asks for."""
     asked = set(parse_steps(c['steps'])) | ({record['trained_R']} if record['trained_R'] else set())
     return (list(record['splits']) == c['split'].split(',') and record['examples'] == c['examples']
             and (record['steps'] == [None] or set(record['steps']) == asked))
@@ -365,7 +368,7 @@ def main(argv=None):
     runs, iters, D = plan(c)
     t0 = time.time()
     kept = {run: json.load(open(path)) for run in runs if os.path.isfile(path := record_path(c, *run, iters, D))}
-    todo = [run for run in runs if run not in kept or not evaluated_as_asked(c, record_path(c, *run, iters, D))]
+    todo = [run for run in runs if run not in kept or not evaluated_as_asked(c, kept[run])]
     again = [run for run in kept if run not in todo and redraw_due(c, kept[run])]
     print(f"{len(runs)} runs of {iters} iterations on difficulties 1..{D}; {len(todo)} to train or finish, "
           f"{len(again)} to draw again", flush=True)

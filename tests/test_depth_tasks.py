@@ -507,7 +507,7 @@ def test_a_run_below_the_dev_floor_is_drawn_again_and_every_draw_is_kept(tmp_pat
         {k: v for k, v in first.items() if k not in ('earlier_draws', 'best_R')}]
     report = open(tmp_path / 'RESULTS.md').read()
     dev, test = (depth_study.at_best(first, s) for s in ('dev', 'test'))
-    assert f"| grt (5 it) | 0 (trained as 1000) | 2.1000 |" in report
+    assert "| grt (5 it) | 0 (trained as 1000) | 2.1000 |" in report
     assert f"| 0: {dev:.3f} / {test:.3f} |" in report
     depth_study.main(argv + ['--redraw=1'])  # draws spent: nothing trains again
     assert len(calls) == 2
