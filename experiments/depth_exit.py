@@ -1,12 +1,14 @@
 """
-Depth chosen per token on a depth task: early exit (early_exit.py, criterion 'state') on a recurrent
-model trained on a depth task, against the fixed depths R:
+Depth chosen per token on a depth task: early exit (early_exit.py) on a recurrent model trained on a
+depth task, against the fixed depths R:
 
     python -m experiments.depth_exit --out_dir=results/depth/compose/runs/compose-D4-grt_local-2000it-s0
     python -m experiments.depth_exit --out_dir=DIR --thresholds=0.01,0.003,0.001 --max_steps=32 --split=dev
+    python -m experiments.depth_exit --out_dir=DIR --criterion=kl --thresholds=1e-4,1e-6,1e-8
 
-Each token runs up to max_steps recurrence steps and stops after the first step whose relative state
-change ||h_s - h_(s-1)|| / ||h_(s-1)|| falls below the threshold. On each split's eval sets
+Each token runs up to max_steps recurrence steps and stops after the first step whose criterion falls
+below the threshold: 'state', the relative state change ||h_s - h_(s-1)|| / ||h_(s-1)||, or 'kl',
+KL(p_(s-1) || p_s) between the predictions of exiting after steps s - 1 and s. On each split's eval sets
 (experiments/depth_eval.py) it reports, per threshold and per difficulty d, the accuracy at the answers
 that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
 <save_dir>/depth_exit.png (mean exit step against d, a line per threshold) and depth_exit.json, the JSON
@@ -20,7 +22,7 @@ import os
 import torch
 
 from common import fail, load_model, read_settings
-from early_exit import EarlyExit, ExitingModel
+from early_exit import EXIT_CRITERIA, EarlyExit, ExitingModel
 from experiments.depth_eval import DEV_TIE, eval_set, largest_of_ties, parse_splits, parse_steps, plot_lines
 from experiments.depth_tasks import make_task
 from model import RecurrentLM
@@ -34,12 +36,13 @@ DEFAULTS = dict(
     split='train,dev,test',
     examples=64,  # sequences per difficulty
     save_dir='',  # where depth_exit.png and depth_exit.json go; '' = out_dir
+    criterion='state',  # early_exit.py's: 'state' (the state's relative change) or 'kl' (the prediction's change)
     tie=DEV_TIE,  # dev accuracies this close to the best count as tied; 0: never give up dev accuracy for steps
 )
 
 
 @torch.no_grad()
-def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
+def exit_table(model, task, splits, thresholds, max_steps, steps, examples, criterion='state'):
     """{d: {'fixed': {R: accuracy}, 'exit': {threshold: (accuracy, mean exit step)}}} at the answers
     that need exactly d steps."""
     table = {}
@@ -51,7 +54,7 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples):
             for r in steps:
                 row['fixed'][r] = (model(x, y, num_steps=r)[0].argmax(-1) == y)[scored].float().mean().item()
             for t in thresholds:
-                exiting = ExitingModel(model, EarlyExit(threshold=t))
+                exiting = ExitingModel(model, EarlyExit(threshold=t, criterion=criterion))
                 logits, _ = exiting(x, y, num_steps=max_steps)
                 accuracy = (logits.argmax(-1) == y)[scored].float().mean().item()
                 row['exit'][t] = (accuracy, exiting.exit_steps[scored].float().mean().item())
@@ -83,14 +86,16 @@ def main(argv=None):
         thresholds = []
     if not thresholds or min(thresholds) <= 0:
         fail(f"thresholds must be comma-separated numbers > 0, e.g. --thresholds=0.01,0.001; got {c['thresholds']!r}")
+    if c['criterion'] not in EXIT_CRITERIA:
+        fail(f"criterion must be one of {', '.join(EXIT_CRITERIA)}, e.g. --criterion=kl; got {c['criterion']!r}")
     if c['tie'] < 0:
         fail(f"tie must be a number >= 0 (how far below the best dev accuracy a chosen threshold may be), got {c['tie']}")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     splits = parse_splits(c['split'], trained['difficulty'], task)
     steps = sorted(set(parse_steps(c['steps'])) | {c['max_steps']})
-    table = exit_table(model, task, splits, thresholds, c['max_steps'], steps, c['examples'])
-    print(f"{trained['dataset']}: accuracy at fixed R, and with early exit (up to {c['max_steps']} steps) "
-          f"accuracy / mean exit step, {c['examples']} sequences a difficulty")
+    table = exit_table(model, task, splits, thresholds, c['max_steps'], steps, c['examples'], c['criterion'])
+    print(f"{trained['dataset']}: accuracy at fixed R, and with early exit on '{c['criterion']}' (up to "
+          f"{c['max_steps']} steps) accuracy / mean exit step, {c['examples']} sequences a difficulty")
     print('d  | ' + ' '.join(f'R={r:<5}' for r in steps) + ' | ' + ' '.join(f'exit<{t:<12g}' for t in thresholds))
     for d, row in table.items():
         fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
@@ -110,7 +115,8 @@ def main(argv=None):
     if path:
         print(f"wrote {path}")
     record = json.dumps(dict(
-        out_dir=c['out_dir'], task=trained['dataset'], max_steps=c['max_steps'], steps=steps, thresholds=thresholds,
+        out_dir=c['out_dir'], task=trained['dataset'], criterion=c['criterion'], max_steps=c['max_steps'],
+        steps=steps, thresholds=thresholds,
         dev_threshold=chosen, tie=c['tie'], splits=splits, examples=c['examples'],
         fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
         exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],

@@ -428,7 +428,8 @@ def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
     assert not torch.allclose(*last['learned'], atol=1e-3)
 
 
-def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
+@pytest.mark.parametrize('criterion', ['state', 'kl'])
+def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, criterion):
     """depth_exit: a threshold no step reaches runs every token max_steps steps (the accuracy of fixed
     R = max_steps), one every step passes stops each token after step 1 (that of R = 1)."""
     from experiments import depth_exit
@@ -437,9 +438,10 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
     out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:compose', difficulty=2,
                                                                          block_size=None))
     depth_exit.main([f'--out_dir={out}', '--thresholds=1e9,1e-12', '--max_steps=5', '--steps=1', '--examples=2',
-                     '--split=train,dev', f'--save_dir={tmp_path / "saved"}'])
+                     '--split=train,dev', f'--save_dir={tmp_path / "saved"}', f'--criterion={criterion}'])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.load(open(tmp_path / 'saved' / 'depth_exit.json')) == record
+    assert record['criterion'] == criterion
     assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
@@ -452,6 +454,8 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys):
     assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01], tie=0) == 0.01  # no tie: the best
     table[3]['exit'][0.1] = (0.89, 4.0)
     assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.01
+    with pytest.raises(SystemExit, match='criterion must be one of state, kl'):
+        depth_exit.main([f'--out_dir={out}', '--criterion=entropy'])
 
 
 class Oracle(torch.nn.Module):
