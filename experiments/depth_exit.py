@@ -75,6 +75,8 @@ def main(argv=None):
     c = read_settings(DEFAULTS, argv)
     if not c['out_dir']:
         fail("give --out_dir=DIR, a train.py out_dir whose GRT trained on a depth task")
+    if c['criterion'] not in EXIT_CRITERIA:
+        fail(f"criterion must be one of {', '.join(EXIT_CRITERIA)}, e.g. --criterion=kl; got {c['criterion']!r}")
     model, checkpoint = load_model('resume', c['out_dir'], 'cpu', c['ckpt'])
     trained = checkpoint['config']
     if not isinstance(model, RecurrentLM) or not str(trained.get('dataset', '')).startswith('task:'):
@@ -86,8 +88,6 @@ def main(argv=None):
         thresholds = []
     if not thresholds or min(thresholds) <= 0:
         fail(f"thresholds must be comma-separated numbers > 0, e.g. --thresholds=0.01,0.001; got {c['thresholds']!r}")
-    if c['criterion'] not in EXIT_CRITERIA:
-        fail(f"criterion must be one of {', '.join(EXIT_CRITERIA)}, e.g. --criterion=kl; got {c['criterion']!r}")
     if c['tie'] < 0:
         fail(f"tie must be a number >= 0 (how far below the best dev accuracy a chosen threshold may be), got {c['tie']}")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)

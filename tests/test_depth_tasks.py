@@ -429,10 +429,20 @@ def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
 
 
 @pytest.mark.parametrize('criterion', ['state', 'kl'])
-def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, criterion):
+def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, monkeypatch, criterion):
     """depth_exit: a threshold no step reaches runs every token max_steps steps (the accuracy of fixed
-    R = max_steps), one every step passes stops each token after step 1 (that of R = 1)."""
+    R = max_steps), one every step passes stops each token after step 1 (that of R = 1), on the
+    criterion asked for."""
     from experiments import depth_exit
+    from early_exit import ExitingModel
+    probes = []  # the 'kl' probes of every exiting forward: none under 'state'
+
+    class CountingExits(ExitingModel):
+        def __call__(self, *args, **kwargs):
+            out = super().__call__(*args, **kwargs)
+            probes.append(self.exit_stats['probes'])
+            return out
+    monkeypatch.setattr(depth_exit, 'ExitingModel', CountingExits)
     task = make_task('compose', BLOCK)
     model = tiny('grt', task.vocab_size)
     out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:compose', difficulty=2,
@@ -441,7 +451,8 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, cri
                      '--split=train,dev', f'--save_dir={tmp_path / "saved"}', f'--criterion={criterion}'])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.load(open(tmp_path / 'saved' / 'depth_exit.json')) == record
-    assert record['criterion'] == criterion
+    assert record['criterion'] == criterion and len(probes) == 2 * 4  # two thresholds, d = 1..4
+    assert (min(probes) > 0) if criterion == 'kl' else (max(probes) == 0)
     assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
