@@ -8,6 +8,8 @@ criterion c_s falls below a threshold (never after r). With h_s its state after 
            of exiting after step s, as Huginn's KL exit (Geiping et al., 2025), which costs a probe
            through the coda and head per step.
 Threshold 0 never exits, so every token runs r steps, exactly as model.py's fixed-depth forward.
+in_order: a token stops only once the token before it has (depths never fall along the sequence), so
+no token stops while a token it reads, directly or through the tokens between, still changes.
 
     exiting = ExitingModel(model, EarlyExit(threshold=0.07))
     out = exiting.generate(idx, 100)      # exiting.exit_steps: the depths of the last forward pass
@@ -30,6 +32,7 @@ class EarlyExit:
     threshold: float
     min_steps: int = 1
     criterion: str = 'state'
+    in_order: bool = False
 
     def __post_init__(self):
         if self.criterion not in EXIT_CRITERIA:
@@ -39,6 +42,8 @@ class EarlyExit:
         if isinstance(self.min_steps, bool) or int(self.min_steps) != self.min_steps or self.min_steps < 1:
             raise ValueError(f"min_steps must be an integer >= 1, got {self.min_steps!r}")
         self.min_steps = int(self.min_steps)
+        if not isinstance(self.in_order, bool):
+            raise ValueError(f"in_order must be True or False, got {self.in_order!r}")
 
 
 def check_early_exit(model, rule, num_steps=None, kv_mode='per_step'):
@@ -73,6 +78,7 @@ class ExitingModel:
     def __init__(self, model, rule):
         self.model, self.rule = model, rule
         self.exit_steps = self.exit_stats = None
+        self.filled = self.last_depth = None  # in_order: the cache of the last chunk, its last token's depth
 
     def __call__(self, idx, targets=None, num_steps=None, kv_cache=None):
         m = self.model
@@ -99,15 +105,28 @@ class ExitingModel:
         x = m.embed(idx, kv_cache)
         caches = kv_cache or [None] * m.num_block_passes(r)
         p, core = m.config.n_prelude, m.config.n_core * r
+        floor = self.depth_before(idx, kv_cache) if self.rule.in_order else None
         e = run_blocks(m.transformer.prelude, x, caches[:p])
-        h = self.recur_with_exit(m.initial_state(e), e, r, caches[p:p + core], caches[p + core:])
+        h = self.recur_with_exit(m.initial_state(e), e, r, caches[p:p + core], caches[p + core:], floor)
+        if self.rule.in_order:
+            self.filled, self.last_depth = kv_cache, self.exit_steps[:, -1]
         return run_blocks(m.transformer.coda, m.before_coda(h), caches[p + core:])
 
-    def recur_with_exit(self, h, e, r, caches, coda_caches):
+    def depth_before(self, idx, kv_cache):
+        """(B,) the depth of the token before the chunk idx, the last this cache holds (0 at a sequence's start)."""
+        if kv_cache is None or kv_cache[0].length == 0:
+            return torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
+        if kv_cache is not self.filled:
+            raise ValueError("in_order exit needs the depth of the token before the chunk: continue only a cache "
+                             "this ExitingModel filled, or start from an empty one")
+        return self.last_depth
+
+    def recur_with_exit(self, h, e, r, caches, coda_caches, floor):
         """The recurrence with per-token exit. While any token of the chunk still runs, every token
         passes the step (rows exit independently, at the cost of the slowest) and an exited token's
         state stays h_d; its keys and values at later steps are filled from step d (ExitFillCache).
-        Once every token has exited, the remaining steps only fill their caches."""
+        Once every token has exited, the remaining steps only fill their caches. floor (B,): in_order,
+        the depth of the token before the chunk, before which no token of the chunk stops."""
         m, rule, n = self.model, self.rule, self.model.config.n_core
         exited = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
         depth = torch.full(h.shape[:2], r, dtype=torch.long, device=h.device)
@@ -143,6 +162,8 @@ class ExitingModel:
                 if log_p is not None:  # KL(p_(s-1) || p_s), clamped at 0 against rounding
                     stop = (log_p.exp() * (log_p - log_p_next)).sum(dim=-1).clamp_min(0) < rule.threshold
                 log_p = log_p_next
+            if stop is not None and rule.in_order:  # stop only once every earlier token has
+                stop = (stop | exited).cummin(dim=1).values & (floor <= s)[:, None]
             if stop is not None and bool(stop.any()):  # one sync a step; no bookkeeping until a token stops
                 stop &= ~exited
                 depth.masked_fill_(stop, s)

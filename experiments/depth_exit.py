@@ -5,10 +5,12 @@ depth task, against the fixed depths R:
     python -m experiments.depth_exit --out_dir=results/depth/compose/runs/compose-D4-grt_local-2000it-s0
     python -m experiments.depth_exit --out_dir=DIR --thresholds=0.01,0.003,0.001 --max_steps=32 --split=dev
     python -m experiments.depth_exit --out_dir=DIR --criterion=kl --thresholds=1e-4,1e-6,1e-8
+    python -m experiments.depth_exit --out_dir=DIR --criterion=kl --in_order=True
 
 Each token runs up to max_steps recurrence steps and stops after the first step whose criterion falls
 below the threshold: 'state', the relative state change ||h_s - h_(s-1)|| / ||h_(s-1)||, or 'kl',
-KL(p_(s-1) || p_s) between the predictions of exiting after steps s - 1 and s. On each split's eval sets
+KL(p_(s-1) || p_s) between the predictions of exiting after steps s - 1 and s; with --in_order=True
+a token stops only once the token before it has (early_exit.EarlyExit.in_order). On each split's eval sets
 (experiments/depth_eval.py) it reports, per threshold and per difficulty d, the accuracy at the answers
 that need d steps and their mean exit step, beside the accuracy at each fixed R. Writes
 <save_dir>/depth_exit.png (mean exit step against d, a line per threshold) and depth_exit.json, the JSON
@@ -37,12 +39,13 @@ DEFAULTS = dict(
     examples=64,  # sequences per difficulty
     save_dir='',  # where depth_exit.png and depth_exit.json go; '' = out_dir
     criterion='state',  # early_exit.py's: 'state' (the state's relative change) or 'kl' (the prediction's change)
+    in_order=False,  # a token stops only once the token before it has
     tie=DEV_TIE,  # dev accuracies this close to the best count as tied; 0: never give up dev accuracy for steps
 )
 
 
 @torch.no_grad()
-def exit_table(model, task, splits, thresholds, max_steps, steps, examples, criterion='state'):
+def exit_table(model, task, splits, thresholds, max_steps, steps, examples, criterion='state', in_order=False):
     """{d: {'fixed': {R: accuracy}, 'exit': {threshold: (accuracy, mean exit step)}}} at the answers
     that need exactly d steps."""
     table = {}
@@ -54,7 +57,7 @@ def exit_table(model, task, splits, thresholds, max_steps, steps, examples, crit
             for r in steps:
                 row['fixed'][r] = (model(x, y, num_steps=r)[0].argmax(-1) == y)[scored].float().mean().item()
             for t in thresholds:
-                exiting = ExitingModel(model, EarlyExit(threshold=t, criterion=criterion))
+                exiting = ExitingModel(model, EarlyExit(threshold=t, criterion=criterion, in_order=in_order))
                 logits, _ = exiting(x, y, num_steps=max_steps)
                 accuracy = (logits.argmax(-1) == y)[scored].float().mean().item()
                 row['exit'][t] = (accuracy, exiting.exit_steps[scored].float().mean().item())
@@ -93,8 +96,10 @@ def main(argv=None):
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     splits = parse_splits(c['split'], trained['difficulty'], task)
     steps = sorted(set(parse_steps(c['steps'])) | {c['max_steps']})
-    table = exit_table(model, task, splits, thresholds, c['max_steps'], steps, c['examples'], c['criterion'])
-    print(f"{trained['dataset']}: accuracy at fixed R, and with early exit on '{c['criterion']}' (up to "
+    table = exit_table(model, task, splits, thresholds, c['max_steps'], steps, c['examples'], c['criterion'],
+                       c['in_order'])
+    order = ', in order' if c['in_order'] else ''
+    print(f"{trained['dataset']}: accuracy at fixed R, and with early exit on '{c['criterion']}'{order} (up to "
           f"{c['max_steps']} steps) accuracy / mean exit step, {c['examples']} sequences a difficulty")
     print('d  | ' + ' '.join(f'R={r:<5}' for r in steps) + ' | ' + ' '.join(f'exit<{t:<12g}' for t in thresholds))
     for d, row in table.items():
@@ -115,8 +120,8 @@ def main(argv=None):
     if path:
         print(f"wrote {path}")
     record = json.dumps(dict(
-        out_dir=c['out_dir'], task=trained['dataset'], criterion=c['criterion'], max_steps=c['max_steps'],
-        steps=steps, thresholds=thresholds,
+        out_dir=c['out_dir'], task=trained['dataset'], criterion=c['criterion'], in_order=c['in_order'],
+        max_steps=c['max_steps'], steps=steps, thresholds=thresholds,
         dev_threshold=chosen, tie=c['tie'], splits=splits, examples=c['examples'],
         fixed=[[round(table[d]['fixed'][r], 4) for r in steps] for d in difficulties],
         exit_accuracy=[[round(table[d]['exit'][t][0], 4) for t in thresholds] for d in difficulties],

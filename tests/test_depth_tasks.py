@@ -428,11 +428,11 @@ def test_a_model_without_positions_reads_order_from_the_causal_mask_alone():
     assert not torch.allclose(*last['learned'], atol=1e-3)
 
 
-@pytest.mark.parametrize('criterion', ['state', 'kl'])
-def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, monkeypatch, criterion):
+@pytest.mark.parametrize('criterion, in_order', [('state', False), ('kl', False), ('state', True)])
+def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, monkeypatch, criterion, in_order):
     """depth_exit: a threshold no step reaches runs every token max_steps steps (the accuracy of fixed
     R = max_steps), one every step passes stops each token after step 1 (that of R = 1), on the
-    criterion asked for."""
+    criterion and order asked for."""
     from experiments import depth_exit
     from early_exit import ExitingModel
     probes = []  # the 'kl' probes of every exiting forward: none under 'state'
@@ -441,6 +441,7 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
         def __call__(self, *args, **kwargs):
             out = super().__call__(*args, **kwargs)
             probes.append(self.exit_stats['probes'])
+            assert self.rule.in_order is in_order
             return out
     monkeypatch.setattr(depth_exit, 'ExitingModel', CountingExits)
     task = make_task('compose', BLOCK)
@@ -448,10 +449,11 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
     out = save_checkpoint(str(tmp_path / 'run'), model, 'grt', config=dict(dataset='task:compose', difficulty=2,
                                                                          block_size=None))
     depth_exit.main([f'--out_dir={out}', '--thresholds=1e9,1e-12', '--max_steps=5', '--steps=1', '--examples=2',
-                     '--split=train,dev', f'--save_dir={tmp_path / "saved"}', f'--criterion={criterion}'])
+                     '--split=train,dev', f'--save_dir={tmp_path / "saved"}', f'--criterion={criterion}',
+                     f'--in_order={in_order}'])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.load(open(tmp_path / 'saved' / 'depth_exit.json')) == record
-    assert record['criterion'] == criterion and len(probes) == 2 * 4  # two thresholds, d = 1..4
+    assert record['criterion'] == criterion and record['in_order'] is in_order and len(probes) == 2 * 4  # two thresholds, d = 1..4
     assert (min(probes) > 0) if criterion == 'kl' else (max(probes) == 0)
     assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):

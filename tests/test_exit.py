@@ -224,6 +224,33 @@ def test_causal_with_exits(grt2, exit):
     torch.testing.assert_close(c[:, :20], a[:, :20], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('exit', ['state', 'kl'])
+def test_in_order_stops_a_token_first_where_its_criterion_allows_after_the_token_before(grt2, exit):
+    """in_order: depths never fall along a row. Token t stops where the plain rule with min_steps =
+    the depth of token t - 1 stops it, given the same earlier tokens; a prefilled chunk (held back
+    within the chunk) equals the tokens decoded (held back across calls), and the written-out forward."""
+    idx = tokens(2, 12, seed=5)
+    rule = EarlyExit(MIXED2[exit], 1, exit, in_order=True)
+    model = ExitingModel(grt2, rule)
+    logits, depth = model(idx, targets=idx)[0], model.exit_steps
+    mixed_depths(depth)
+    assert (depth[:, 1:] >= depth[:, :-1]).all()
+    plain = exiting(grt2, MIXED2[exit], 1, exit)
+    plain(idx, targets=idx)
+    assert not torch.equal(plain.exit_steps, depth)  # the plain rule stops some tokens before the one before
+    for b in range(2):
+        for t in range(1, 12):
+            cache = grt2.new_kv_cache(12)
+            ExitingModel(grt2, rule)(idx[b:b + 1, :t], kv_cache=cache)
+            after = exiting(grt2, MIXED2[exit], int(depth[b, t - 1]), exit)
+            after(idx[b:b + 1, t:t + 1], kv_cache=cache)
+            assert after.exit_steps.item() == depth[b, t]
+    decoded, decoded_depth = decode_teacher_forced(grt2, idx, 5, rule)
+    assert torch.equal(decoded_depth, depth)
+    torch.testing.assert_close(decoded, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, reference_grt_with_exits(grt2, idx, depth), rtol=1e-4, atol=1e-4)
+
+
 # -----------------------------------------------------------------------------
 # The two criteria, written out (single-token sequences, so a token's exits touch no other token)
 
@@ -354,6 +381,12 @@ def test_exit_refused_where_it_does_not_apply(grt):
         exiting(grt, 0.1, exit='kl').generate(idx, 2, kv_mode='mean')
     with pytest.raises(ValueError, match='min_steps must be an integer'):
         exiting(grt, 0.1, min_steps=0)
+    with pytest.raises(ValueError, match='in_order must be True or False'):
+        EarlyExit(0.1, in_order=1)
+    cache = grt.new_kv_cache(8)
+    exiting(grt, 0.1)(idx, kv_cache=cache)
+    with pytest.raises(ValueError, match='continue only a cache this ExitingModel filled'):
+        ExitingModel(grt, EarlyExit(0.1, in_order=True))(idx[:, :1], kv_cache=cache)
     grt.train()
     try:
         with pytest.raises(ValueError, match='early exit is for inference'):
