@@ -8,8 +8,9 @@ criterion c_s falls below a threshold (never after r). With h_s its state after 
            of exiting after step s, as Huginn's KL exit (Geiping et al., 2025), which costs a probe
            through the coda and head per step.
 Threshold 0 never exits, so every token runs r steps, exactly as model.py's fixed-depth forward.
-in_order: a token stops only once the token before it has (depths never fall along the sequence), so
-no token stops while a token it reads, directly or through the tokens between, still changes.
+in_order: a token stops only once the token before it has: at the first s >= max(min_steps, d_(t-1)),
+d_(t-1) the depth of the token before it. Depths never fall along the sequence, so no token stops while
+a token it reads, directly or through the tokens between, still changes.
 
     exiting = ExitingModel(model, EarlyExit(threshold=0.07))
     out = exiting.generate(idx, 100)      # exiting.exit_steps: the depths of the last forward pass
@@ -73,12 +74,13 @@ def probe_flops(model, seq_len):
 class ExitingModel:
     """A recurrent model whose forward pass lets each token stop its recurrence at its own depth.
     Called like the model; after each call, exit_steps (B, T) holds each token's depth d and
-    exit_stats 'steps_run' (steps the chunk ran, the batch's max of d) and 'probes' ('kl' probes)."""
+    exit_stats 'steps_run' (steps the chunk ran, the batch's max of d) and 'probes' ('kl' probes).
+    With in_order it keeps the cache it last filled (and so its memory), which only it may continue."""
 
     def __init__(self, model, rule):
         self.model, self.rule = model, rule
         self.exit_steps = self.exit_stats = None
-        self.filled = self.last_depth = None  # in_order: the cache of the last chunk, its last token's depth
+        self.last_cache = self.last_length = self.last_depth = None  # in_order: that cache, its length, its last d
 
     def __call__(self, idx, targets=None, num_steps=None, kv_cache=None):
         m = self.model
@@ -108,17 +110,18 @@ class ExitingModel:
         floor = self.depth_before(idx, kv_cache) if self.rule.in_order else None
         e = run_blocks(m.transformer.prelude, x, caches[:p])
         h = self.recur_with_exit(m.initial_state(e), e, r, caches[p:p + core], caches[p + core:], floor)
-        if self.rule.in_order:
-            self.filled, self.last_depth = kv_cache, self.exit_steps[:, -1]
+        if self.rule.in_order and kv_cache is not None:  # where the next chunk through this cache starts
+            self.last_cache, self.last_length = kv_cache, kv_cache[0].length
+            self.last_depth = self.exit_steps[:, -1]
         return run_blocks(m.transformer.coda, m.before_coda(h), caches[p + core:])
 
     def depth_before(self, idx, kv_cache):
         """(B,) the depth of the token before the chunk idx, the last this cache holds (0 at a sequence's start)."""
         if kv_cache is None or kv_cache[0].length == 0:
             return torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
-        if kv_cache is not self.filled:
-            raise ValueError("in_order exit needs the depth of the token before the chunk: continue only a cache "
-                             "this ExitingModel filled, or start from an empty one")
+        if kv_cache is not self.last_cache or kv_cache[0].length != self.last_length:
+            raise ValueError("in_order exit needs the depth of the token before the chunk: continue only the cache "
+                             "this ExitingModel filled last, as it left it, or start from an empty one")
         return self.last_depth
 
     def recur_with_exit(self, h, e, r, caches, coda_caches, floor):
@@ -126,13 +129,14 @@ class ExitingModel:
         passes the step (rows exit independently, at the cost of the slowest) and an exited token's
         state stays h_d; its keys and values at later steps are filled from step d (ExitFillCache).
         Once every token has exited, the remaining steps only fill their caches. floor (B,): in_order,
-        the depth of the token before the chunk, before which no token of the chunk stops."""
+        the depth of the token before the chunk, before which no token of the chunk stops (else None)."""
         m, rule, n = self.model, self.rule, self.model.config.n_core
+        first = rule.min_steps if floor is None else max(rule.min_steps, int(floor.min()))  # the first step a token may stop
         exited = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
         depth = torch.full(h.shape[:2], r, dtype=torch.long, device=h.device)
         n_exited, n_tokens = 0, exited.numel()  # counted on the host: one sync a step
         log_p = None  # 'kl': log p_(s-1), the previous exit's distribution
-        if rule.criterion == 'kl' and rule.min_steps == 1 and r > 1:
+        if rule.criterion == 'kl' and first == 1 and r > 1:
             log_p = self.exit_log_probs(h, coda_caches)  # p_0
         probes, steps_run = int(log_p is not None), 0
         fills = [None] * n
@@ -151,18 +155,18 @@ class ExitingModel:
             if s == r:  # the last step: every token stops here
                 h = h_next
                 break
-            stop = None  # tokens whose c_s < threshold, (B, T), from step min_steps on
-            if rule.criterion == 'state' and s >= rule.min_steps:
+            stop = None  # tokens whose c_s < threshold, (B, T), from step first on
+            if rule.criterion == 'state' and s >= first:
                 # ||h_s - h_(s-1)|| < threshold ||h_(s-1)||, multiplied out: an all-zero h_(s-1) never exits
                 h_prev = h.float()
                 stop = (h_next.float() - h_prev).norm(dim=-1) < rule.threshold * h_prev.norm(dim=-1)
-            elif rule.criterion == 'kl' and s >= rule.min_steps - 1:
+            elif rule.criterion == 'kl' and s >= first - 1:
                 log_p_next = self.exit_log_probs(h_next, coda_caches)
                 probes += 1
                 if log_p is not None:  # KL(p_(s-1) || p_s), clamped at 0 against rounding
                     stop = (log_p.exp() * (log_p - log_p_next)).sum(dim=-1).clamp_min(0) < rule.threshold
                 log_p = log_p_next
-            if stop is not None and rule.in_order:  # stop only once every earlier token has
+            if stop is not None and rule.in_order:  # stop only once every earlier token has (exited: kept stopped)
                 stop = (stop | exited).cummin(dim=1).values & (floor <= s)[:, None]
             if stop is not None and bool(stop.any()):  # one sync a step; no bookkeeping until a token stops
                 stop &= ~exited

@@ -185,12 +185,14 @@ def test_cached_equals_uncached_reference_under_same_exits(request, which, exit)
     torch.testing.assert_close(uncached, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_generation_cached_equals_uncached_with_exits(grt2):
-    idx = tokens(2, 3, seed=2)
+@pytest.mark.parametrize('in_order', [False, True])
+def test_generation_cached_equals_uncached_with_exits(grt2, in_order):
+    """Also past the block (64), where the cache is rebuilt on the last 64 tokens."""
     for exit, threshold in MIXED2.items():
-        cached = exiting(grt2, threshold, exit=exit).generate(idx, 20, temperature=0)
-        assert torch.equal(exiting(grt2, threshold, exit=exit).generate(idx, 20, temperature=0, use_cache=False),
-                           cached)
+        for idx in (tokens(2, 3, seed=2), tokens(2, 60, seed=2)):
+            rule = EarlyExit(threshold, 1, exit, in_order)
+            cached = ExitingModel(grt2, rule).generate(idx, 10, temperature=0)
+            assert torch.equal(ExitingModel(grt2, rule).generate(idx, 10, temperature=0, use_cache=False), cached)
 
 
 def test_batch_rows_exit_independently(grt2):
@@ -225,24 +227,26 @@ def test_causal_with_exits(grt2, exit):
 
 
 @pytest.mark.parametrize('exit', ['state', 'kl'])
-def test_in_order_stops_a_token_first_where_its_criterion_allows_after_the_token_before(grt2, exit):
+@pytest.mark.parametrize('min_steps', [1, 2])
+def test_in_order_stops_a_token_first_where_its_criterion_allows_after_the_token_before(grt2, exit, min_steps):
     """in_order: depths never fall along a row. Token t stops where the plain rule with min_steps =
-    the depth of token t - 1 stops it, given the same earlier tokens; a prefilled chunk (held back
-    within the chunk) equals the tokens decoded (held back across calls), and the written-out forward."""
+    max(min_steps, the depth of token t - 1) stops it, given the same earlier tokens; a prefilled chunk
+    (held back within the chunk) equals the tokens decoded (held back across calls), and the
+    written-out forward."""
     idx = tokens(2, 12, seed=5)
-    rule = EarlyExit(MIXED2[exit], 1, exit, in_order=True)
+    rule = EarlyExit(MIXED2[exit], min_steps, exit, in_order=True)
     model = ExitingModel(grt2, rule)
     logits, depth = model(idx, targets=idx)[0], model.exit_steps
     mixed_depths(depth)
     assert (depth[:, 1:] >= depth[:, :-1]).all()
-    plain = exiting(grt2, MIXED2[exit], 1, exit)
+    plain = exiting(grt2, MIXED2[exit], min_steps, exit)
     plain(idx, targets=idx)
     assert not torch.equal(plain.exit_steps, depth)  # the plain rule stops some tokens before the one before
     for b in range(2):
         for t in range(1, 12):
             cache = grt2.new_kv_cache(12)
             ExitingModel(grt2, rule)(idx[b:b + 1, :t], kv_cache=cache)
-            after = exiting(grt2, MIXED2[exit], int(depth[b, t - 1]), exit)
+            after = exiting(grt2, MIXED2[exit], max(min_steps, int(depth[b, t - 1])), exit)
             after(idx[b:b + 1, t:t + 1], kv_cache=cache)
             assert after.exit_steps.item() == depth[b, t]
     decoded, decoded_depth = decode_teacher_forced(grt2, idx, 5, rule)
@@ -385,8 +389,13 @@ def test_exit_refused_where_it_does_not_apply(grt):
         EarlyExit(0.1, in_order=1)
     cache = grt.new_kv_cache(8)
     exiting(grt, 0.1)(idx, kv_cache=cache)
-    with pytest.raises(ValueError, match='continue only a cache this ExitingModel filled'):
+    with pytest.raises(ValueError, match='continue only the cache this ExitingModel filled last'):
         ExitingModel(grt, EarlyExit(0.1, in_order=True))(idx[:, :1], kv_cache=cache)
+    in_order, cache = ExitingModel(grt, EarlyExit(0.1, in_order=True)), grt.new_kv_cache(8)
+    in_order(idx[:, :2], kv_cache=cache)
+    grt(idx[:, 2:3], kv_cache=cache)  # another forward moves the cache on: the depth before is unknown
+    with pytest.raises(ValueError, match='as it left it'):
+        in_order(idx[:, 3:], kv_cache=cache)
     grt.train()
     try:
         with pytest.raises(ValueError, match='early exit is for inference'):
