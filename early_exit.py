@@ -9,8 +9,8 @@ criterion c_s falls below a threshold (never after r). With h_s its state after 
            through the coda and head per step.
 Threshold 0 never exits, so every token runs r steps, exactly as model.py's fixed-depth forward.
 in_order: a token stops only once the token before it has: at the first s >= max(min_steps, d_(t-1)),
-d_(t-1) the depth of the token before it. Depths never fall along the sequence, so no token stops while
-a token it reads, directly or through the tokens between, still changes.
+d_(t-1) the depth of the token before it. Depths never fall along the sequence, so no token stops before
+a token it reads, directly or through the tokens between.
 
     exiting = ExitingModel(model, EarlyExit(threshold=0.07))
     out = exiting.generate(idx, 100)      # exiting.exit_steps: the depths of the last forward pass
