@@ -131,7 +131,8 @@ class ExitingModel:
         Once every token has exited, the remaining steps only fill their caches. floor (B,): in_order,
         the depth of the token before the chunk, before which no token of the chunk stops (else None)."""
         m, rule, n = self.model, self.rule, self.model.config.n_core
-        first = rule.min_steps if floor is None else max(rule.min_steps, int(floor.min()))  # the first step a token may stop
+        # the first step after which a token of the chunk may stop
+        first = rule.min_steps if floor is None else max(rule.min_steps, int(floor.min()))
         exited = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
         depth = torch.full(h.shape[:2], r, dtype=torch.long, device=h.device)
         n_exited, n_tokens = 0, exited.numel()  # counted on the host: one sync a step
