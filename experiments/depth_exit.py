@@ -5,7 +5,7 @@ depth task, against the fixed depths R:
     python -m experiments.depth_exit --out_dir=results/depth/compose/runs/compose-D4-grt_local-2000it-s0
     python -m experiments.depth_exit --out_dir=DIR --thresholds=0.01,0.003,0.001 --max_steps=32 --split=dev
     python -m experiments.depth_exit --out_dir=DIR --criterion=kl --thresholds=1e-4,1e-6,1e-8
-    python -m experiments.depth_exit --out_dir=DIR --criterion=kl --in_order=True
+    python -m experiments.depth_exit --out_dir=DIR --in_order=True --tie=0
 
 Each token runs up to max_steps recurrence steps and stops after the first step whose criterion falls
 below the threshold: 'state', the relative state change ||h_s - h_(s-1)|| / ||h_(s-1)||, or 'kl',
