@@ -9,7 +9,10 @@ combined), or the combination of only the last D operands, as if the operand D b
 
 A model that learned the step answers right. One that learned "a run has at most D operands", which
 holds in every training sequence unless input_difficulty draws longer runs, answers with the last D.
-"cut at D" counts only the answers where the two differ. out_dir may be a glob of run folders; the
+"cut at D" counts only the answers where the two differ. "reads" says how far back an answer looks:
+for k = 0 (the answer's own operand) .. d - 1 (the run's first), the share of answers whose prediction
+changes when the operand k back is replaced by another value. In a group one changed operand always
+changes the right answer, so a model that reads the whole run reads 1 at every k. out_dir may be a glob of run folders; the
 eval sets are depth_eval's (one split's fixed seeds). Prints a table and a JSON line last; --save
 writes that JSON too.
 """
@@ -43,7 +46,8 @@ def combined(task, operands):
 
 @torch.no_grad()
 def probe(model, task, d, D, steps, examples, split):
-    """(share right, share cut at D among the answers where cutting changes the answer) at difficulty d."""
+    """(share right, share cut at D among the answers where cutting changes the answer, reads) at
+    difficulty d."""
     x, y, need = eval_set(task, d, examples, 'cpu', split)
     predictions = model(x, y, num_steps=steps)[0].argmax(-1)
     right = cut = differs = total = 0
@@ -55,7 +59,27 @@ def probe(model, task, d, D, steps, examples, split):
             total, right = total + 1, right + (predicted[i] == answer)
             if last_D != answer:
                 differs, cut = differs + 1, cut + (predicted[i] == last_D)
-    return right / total, cut / max(differs, 1)
+    return right / total, cut / max(differs, 1), reads(model, task, x, y, need == d, predictions, steps, d)
+
+
+@torch.no_grad()
+def reads(model, task, x, y, scored, predictions, steps, d):
+    """For k = 0..d-1, the share of the scored answers whose prediction changes when the operand k back
+    is replaced by another value. Alternate runs are changed in two passes, so the runs beside a
+    changed one are as they were."""
+    rows, cols = torch.nonzero(scored, as_tuple=True)
+    alternate = (scored.long().cumsum(1)[rows, cols] - 1) % 2  # each answer's run: even or odd in its row
+    gen = torch.Generator().manual_seed(d)
+    shares = []
+    for k in range(d):
+        changed = 0
+        for half in (0, 1):
+            r, c = rows[alternate == half], cols[alternate == half]
+            other = x.clone()
+            other[r, c - k] = (other[r, c - k] + torch.randint(1, task.m, (len(r),), generator=gen)) % task.m
+            changed += (model(other, y, num_steps=steps)[0].argmax(-1)[r, c] != predictions[r, c]).sum().item()
+        shares.append(changed / len(rows))
+    return shares
 
 
 def probe_run(out_dir, c):
@@ -71,7 +95,8 @@ def probe_run(out_dir, c):
     difficulties = list(rows)
     return dict(out_dir=out_dir, difficulty=D, input_difficulty=trained.get('input_difficulty', 0),
                 steps=c['steps'], difficulties=difficulties,
-                right=[round(rows[d][0], 4) for d in difficulties], cut_at_D=[round(rows[d][1], 4) for d in difficulties])
+                right=[round(rows[d][0], 4) for d in difficulties], cut_at_D=[round(rows[d][1], 4) for d in difficulties],
+                reads=[[round(share, 4) for share in rows[d][2]] for d in difficulties])
 
 
 def main(argv=None):
@@ -87,6 +112,11 @@ def main(argv=None):
     for r in records:
         print(f"{os.path.basename(r['out_dir'].rstrip('/'))} | "
               + ' | '.join(f'{a:.2f} / {b:.2f}' for a, b in zip(r['right'], r['cut_at_D'])))
+    print("reads: the share of answers that change when the operand k back is replaced, k = 0 (the answer's "
+          "own) .. d - 1 (the run's first)")
+    for r in records:
+        for d, shares in zip(ds, r['reads']):
+            print(f"{os.path.basename(r['out_dir'].rstrip('/'))} | d = {d} | " + ' '.join(f'{v:.2f}' for v in shares))
     record = dict(settings=c, runs=records)
     if c['save']:
         os.makedirs(os.path.dirname(c['save']) or '.', exist_ok=True)

@@ -474,18 +474,22 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
 
 class Oracle(torch.nn.Module):
     """A 'model' whose prediction at each answer combines the last `reach` operands of its run (all of
-    them when reach is None), written from the tokens with the task's own combine."""
+    them when reach is None), written from the tokens with the task's own combine. across_resets: the
+    last `reach` operands of the sequence, runs before this one's included."""
 
-    def __init__(self, task, reach=None):
+    def __init__(self, task, reach=None, across_resets=False):
         super().__init__()
-        self.task, self.reach = task, reach
+        self.task, self.reach, self.across_resets = task, reach, across_resets
 
     def forward(self, x, y=None, num_steps=None):
         logits = torch.zeros(*x.shape, self.task.vocab_size)
         for b, tokens in enumerate(x.tolist()):
             run = []
             for i, t in enumerate(tokens):
-                run = [] if t == self.task.reset else run + [t]
+                if t == self.task.reset:
+                    run = run if self.across_resets else []
+                else:
+                    run = run + [t]
                 total = 0
                 for operand in run[-self.reach:] if self.reach else run:
                     total = self.task.combine(total, operand)
@@ -495,13 +499,26 @@ class Oracle(torch.nn.Module):
 
 @pytest.mark.parametrize('name', ['compose', 'sum'])
 def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
-    """An oracle that combines the whole run is right everywhere and never cut; one that combines the
-    last 4 operands is cut at D = 4 wherever that differs, and right only where it does not."""
+    """An oracle that combines the whole run is right everywhere, never cut, and reads every operand;
+    one that combines the last 4 operands is cut at D = 4 wherever that differs, right only where it
+    does not, and reads the last 4 operands alone."""
     from experiments.depth_probe import probe
     task = make_task(name, BLOCK)
-    assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0)
-    right, cut = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
+    assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0, [1.0] * 6)
+    right, cut, reads = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
     assert cut == 1.0 and 0 < right < 0.5  # right only where the first two operands combine to the identity
+    assert reads == [1.0] * 4 + [0.0] * 2
+
+
+@pytest.mark.parametrize('name', ['compose', 'sum'])
+def test_the_probe_reads_one_run_at_a_time(name):
+    """An oracle that combines the last 8 operands across resets reads its own run's 6 in full: the run
+    before is left as it was. Changed together, a change there could undo one here (in about a sixth
+    of the answers on compose, a quarter on sum)."""
+    from experiments.depth_probe import probe
+    task = make_task(name, BLOCK)
+    right, _, reads = probe(Oracle(task, reach=8, across_resets=True), task, 6, 4, 1, 8, 'dev')
+    assert right < 0.5 and reads == [1.0] * 6
 
 
 def test_a_run_below_the_dev_floor_is_drawn_again_and_every_draw_is_kept(tmp_path, monkeypatch):
