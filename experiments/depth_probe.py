@@ -55,7 +55,7 @@ def probe(model, task, d, D, steps, examples, split):
         for i, n in enumerate(row_need):
             if n != d:
                 continue
-            answer, last_D = combined(task, tokens[i - d + 1:i + 1]), combined(task, tokens[i - D + 1:i + 1])
+            answer, last_D = combined(task, tokens[i - d + 1:i + 1]), combined(task, tokens[i - min(d, D) + 1:i + 1])
             total, right = total + 1, right + (predicted[i] == answer)
             if last_D != answer:
                 differs, cut = differs + 1, cut + (predicted[i] == last_D)

@@ -505,6 +505,7 @@ def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
     from experiments.depth_probe import probe
     task = make_task(name, BLOCK)
     assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0, [1.0] * 6)
+    assert probe(Oracle(task), task, 2, 4, 1, 8, 'train') == (1.0, 0.0, [1.0] * 2)  # d <= D: nothing to cut
     right, cut, reads = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
     assert cut == 1.0 and 0 < right < 0.5  # right only where the first two operands combine to the identity
     assert reads == [1.0] * 4 + [0.0] * 2
