@@ -1,6 +1,6 @@
 """
 What a model trained on a run task (compose, sum) answers past its trained difficulty D: at each
-answer of difficulty d > D, does the prediction equal the right answer (all d operands of the run
+answer of difficulty d > D (at d <= D nothing is cut), does the prediction equal the right answer (all d operands of the run
 combined), or the combination of only the last D operands, as if the operand D back began the run?
 
     python -m experiments.depth_probe --out_dir=out-depth-grt-local
@@ -12,8 +12,8 @@ holds in every training sequence unless input_difficulty draws longer runs, answ
 "cut at D" counts only the answers where the two differ. "reads" says how far back an answer looks:
 for k = 0 (the answer's own operand) .. d - 1 (the run's first), the share of answers whose prediction
 changes when the operand k back is replaced by another value. In a group one changed operand always
-changes the right answer, so a model that reads the whole run reads 1 at every k. out_dir may be a glob of run folders; the
-eval sets are depth_eval's (one split's fixed seeds). Prints a table and a JSON line last; --save
+changes the right answer, so a model that answers right reads 1 at every k. out_dir may be a glob of
+run folders; the eval sets are depth_eval's (one split's fixed seeds). Prints a table and a JSON line last; --save
 writes that JSON too.
 """
 
@@ -66,7 +66,7 @@ def probe(model, task, d, D, steps, examples, split):
 def reads(model, task, x, y, scored, predictions, steps, d):
     """For k = 0..d-1, the share of the scored answers whose prediction changes when the operand k back
     is replaced by another value. Alternate runs are changed in two passes, so the runs beside a
-    changed one are as they were."""
+    changed one are as they were (those two back are changed too)."""
     rows, cols = torch.nonzero(scored, as_tuple=True)
     alternate = (scored.long().cumsum(1)[rows, cols] - 1) % 2  # each answer's run: even or odd in its row
     gen = torch.Generator().manual_seed(d)

@@ -506,6 +506,7 @@ def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
     task = make_task(name, BLOCK)
     assert probe(Oracle(task), task, 6, 4, 1, 8, 'dev') == (1.0, 0.0, [1.0] * 6)
     assert probe(Oracle(task), task, 2, 4, 1, 8, 'train') == (1.0, 0.0, [1.0] * 2)  # d <= D: nothing to cut
+    assert probe(Oracle(task, reach=1), task, 2, 4, 1, 8, 'train')[1] == 0.0  # not the run before's operands
     right, cut, reads = probe(Oracle(task, reach=4), task, 6, 4, 1, 8, 'dev')
     assert cut == 1.0 and 0 < right < 0.5  # right only where the first two operands combine to the identity
     assert reads == [1.0] * 4 + [0.0] * 2
@@ -514,8 +515,8 @@ def test_the_probe_tells_the_step_from_a_run_cut_at_D(name):
 @pytest.mark.parametrize('name', ['compose', 'sum'])
 def test_the_probe_reads_one_run_at_a_time(name):
     """An oracle that combines the last 8 operands across resets reads its own run's 6 in full: the run
-    before is left as it was. Changed together, a change there could undo one here (in about a sixth
-    of the answers on compose, a quarter on sum)."""
+    before is left as it was. Changed together, a change there could undo one here (at k = 0, 1, in a
+    fifth of the answers with a run before them on compose, a quarter on sum)."""
     from experiments.depth_probe import probe
     task = make_task(name, BLOCK)
     right, _, reads = probe(Oracle(task, reach=8, across_resets=True), task, 6, 4, 1, 8, 'dev')
