@@ -1,7 +1,8 @@
 """
 What a model trained on a run task (compose, sum) answers past its trained difficulty D: at each
-answer of difficulty d > D (at d <= D nothing is cut), does the prediction equal the right answer (all d operands of the run
-combined), or the combination of only the last D operands, as if the operand D back began the run?
+answer of difficulty d > D (at d <= D nothing is cut), does the prediction equal the right answer
+(all d operands of the run combined), or the combination of only the last D operands, as if the
+operand D back began the run?
 
     python -m experiments.depth_probe --out_dir=out-depth-grt-local
     python -m experiments.depth_probe --out_dir='results/depth/compose/runs/*nopos-keep3-2000it-s*' --steps=16 \
@@ -13,8 +14,8 @@ holds in every training sequence unless input_difficulty draws longer runs, answ
 for k = 0 (the answer's own operand) .. d - 1 (the run's first), the share of answers whose prediction
 changes when the operand k back is replaced by another value. In a group one changed operand always
 changes the right answer, so a model that answers right reads 1 at every k. out_dir may be a glob of
-run folders; the eval sets are depth_eval's (one split's fixed seeds). Prints a table and a JSON line last; --save
-writes that JSON too.
+run folders; the eval sets are depth_eval's (one split's fixed seeds). Prints the tables and a JSON
+line last; --save writes that JSON too.
 """
 
 import glob
@@ -95,7 +96,8 @@ def probe_run(out_dir, c):
     difficulties = list(rows)
     return dict(out_dir=out_dir, difficulty=D, input_difficulty=trained.get('input_difficulty', 0),
                 steps=c['steps'], difficulties=difficulties,
-                right=[round(rows[d][0], 4) for d in difficulties], cut_at_D=[round(rows[d][1], 4) for d in difficulties],
+                right=[round(rows[d][0], 4) for d in difficulties],
+                cut_at_D=[round(rows[d][1], 4) for d in difficulties],
                 reads=[[round(share, 4) for share in rows[d][2]] for d in difficulties])
 
 
