@@ -450,16 +450,25 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
                                                                          block_size=None))
     depth_exit.main([f'--out_dir={out}', '--thresholds=1e9,1e-12', '--max_steps=5', '--steps=1', '--examples=2',
                      '--split=train,dev', f'--save_dir={tmp_path / "saved"}', f'--criterion={criterion}',
-                     f'--in_order={in_order}'])
+                     f'--in_order={in_order}', '--mixed=3'])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.load(open(tmp_path / 'saved' / 'depth_exit.json')) == record
     assert record['criterion'] == criterion and record['in_order'] is in_order
-    assert len(probes) == 2 * 4  # two thresholds, d = 1..4
+    assert len(probes) == 2 * 5  # two thresholds, d = 1..4 and the mixed set
     assert (min(probes) > 0) if criterion == 'kl' else (max(probes) == 0)
     assert record['steps'] == [1, 5] and record['splits'] == {'train': [1, 2], 'dev': [3, 4]}
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
     assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
+    mixed = record['mixed']  # 3 sequences whose runs need 1..3D = 1..6 steps
+    (x, y, need), hi = depth_exit.mixed_set(task, 2, 3)
+    assert hi == 6 and mixed['difficulties'] == sorted(set(need[need > 0].tolist())) == list(range(1, 7))
+    assert torch.equal(x, depth_exit.mixed_set(task, 2, 3)[0][0])  # fixed by its seed
+    assert task.solve(x[0].tolist())[0] == y[0].tolist()
+    for fixed, accuracy, steps in zip(mixed['fixed'], mixed['exit_accuracy'], mixed['exit_steps']):
+        assert accuracy == fixed and steps == [1.0, 5.0]
+    assert mixed['token_steps'] == [1.0, 5.0]  # every token of the set, answers or not
+    assert len({a for row in mixed['fixed'] for a in row}) > 1
     assert os.path.getsize(tmp_path / 'saved' / 'depth_exit.png') > 0
     dev = [sum(row[i] for row in record['exit_accuracy'][2:]) / 2 for i in (0, 1)]  # d = 3, 4
     assert record['dev_threshold'] == (1e9 if dev[0] >= max(dev) - 0.005 else 1e-12)
@@ -470,6 +479,8 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
     assert depth_exit.dev_threshold(table, {'dev': [3]}, [0.1, 0.01]) == 0.01
     with pytest.raises(SystemExit, match='criterion must be one of state, kl'):
         depth_exit.main([f'--out_dir={out}', '--criterion=entropy'])
+    with pytest.raises(SystemExit, match='mixed must be a number of sequences >= 0'):
+        depth_exit.main([f'--out_dir={out}', '--mixed=-1'])
 
 
 class Oracle(torch.nn.Module):
