@@ -18,10 +18,10 @@ that need d steps and their mean exit step, beside the accuracy at each fixed R.
 line it prints last (save_dir: out_dir unless given). With a dev split it chooses the threshold there:
 the largest (fewest steps) whose mean dev accuracy is within `tie` of the best threshold's.
 
-With --mixed=N it also scores one more set, N sequences drawn from MIXED_SEED whose runs need 1..3D
-steps each (the trained, dev and test difficulties in one sequence, as a prompt would mix them),
-by the steps each answer needs, and the mean exit step over all its tokens: what a token pays for the
-tokens before it, which in order it never stops before.
+With --mixed=N it also scores N sequences drawn from MIXED_SEED whose runs need 1..3D steps each (the
+trained, dev and test difficulties in one sequence, as a prompt mixes them), by the steps each answer
+needs, and the mean exit step over every token of them. In order a token never stops before the tokens
+before it, so there an easy answer after a hard run pays for the hard run's steps.
 """
 
 import json
