@@ -73,8 +73,13 @@ def score(model, x, y, need, difficulties, thresholds, max_steps, steps, criteri
 
 
 def mixed_set(task, D, examples):
-    """examples sequences whose runs need 1..3D steps each (test's largest, within the task's): (x, y, steps)."""
-    hi = split_difficulties('test', D, task)[-1]
+    """examples sequences whose runs need 1..hi steps each, hi = 3D (test's largest, within the task's):
+    ((x, y, steps), hi)."""
+    test = split_difficulties('test', D, task)
+    if not test:
+        fail(f"--mixed draws runs up to test's difficulties, but {type(task).__name__} at block_size "
+             f"{task.block_size} has none past D + 2 = {D + 2}; leave --mixed out")
+    hi = test[-1]
     return TaskBatches(task, examples, 'cpu', 1, hi).sample(torch.Generator().manual_seed(MIXED_SEED)), hi
 
 
@@ -96,6 +101,23 @@ def dev_threshold(table, splits, thresholds, tie=DEV_TIE):
         return None
     return largest_of_ties({t: sum(table[d]['exit'][t][0] for d in splits['dev']) / len(splits['dev'])
                             for t in thresholds}, tie)
+
+
+def print_rows(rows, steps, thresholds):
+    """A line a difficulty: accuracy at each fixed R, then accuracy / mean exit step at each threshold."""
+    print('d  | ' + ' '.join(f'R={r:<5}' for r in steps) + ' | ' + ' '.join(f'exit<{t:<12g}' for t in thresholds))
+    for d, row in rows.items():
+        fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
+        exits = ' '.join(f"{a:.3f} / {s:<5.1f}" for a, s in row['exit'].values())
+        print(f"{d:<2} | {fixed} | {exits}")
+
+
+def as_lists(rows, steps, thresholds):
+    """The JSON's rows, a list a difficulty: accuracy at each fixed R, and at each threshold's exit with its
+    mean exit step."""
+    return dict(fixed=[[round(row['fixed'][r], 4) for r in steps] for row in rows.values()],
+                exit_accuracy=[[round(row['exit'][t][0], 4) for t in thresholds] for row in rows.values()],
+                exit_steps=[[round(row['exit'][t][1], 3) for t in thresholds] for row in rows.values()])
 
 
 def main(argv=None):
@@ -142,7 +164,8 @@ def main(argv=None):
         print(f"mixed: {c['mixed']} sequences whose runs need 1..{hi} steps each, by the steps an answer needs")
         print_rows(rows, steps, thresholds)
         print('mean exit step over every token: ' + ', '.join(f'{s:.1f} (exit<{t:g})' for t, s in token_steps.items()))
-        mixed = dict(difficulties=list(rows), **as_lists(rows, steps, thresholds),
+        mixed = dict(sequences=c['mixed'], seed=MIXED_SEED, tokens=need.numel(), difficulties=list(rows),
+                     answers=[int((need == d).sum()) for d in rows], **as_lists(rows, steps, thresholds),
                      token_steps=[round(token_steps[t], 3) for t in thresholds])
     difficulties = list(table)
     lines = {f'exit < {t:g}': [table[d]['exit'][t][1] for d in difficulties] for t in thresholds}
@@ -161,21 +184,6 @@ def main(argv=None):
         f.write(record + '\n')
     print(record)
 
-
-def print_rows(rows, steps, thresholds):
-    print('d  | ' + ' '.join(f'R={r:<5}' for r in steps) + ' | ' + ' '.join(f'exit<{t:<12g}' for t in thresholds))
-    for d, row in rows.items():
-        fixed = ' '.join(f"{row['fixed'][r]:<7.3f}" for r in steps)
-        exits = ' '.join(f"{a:.3f} / {s:<5.1f}" for a, s in row['exit'].values())
-        print(f"{d:<2} | {fixed} | {exits}")
-
-
-def as_lists(rows, steps, thresholds):
-    """The JSON's rows, a list a difficulty: accuracy at each fixed R, and at each threshold's exit with its
-    mean exit step."""
-    return dict(fixed=[[round(row['fixed'][r], 4) for r in steps] for row in rows.values()],
-                exit_accuracy=[[round(row['exit'][t][0], 4) for t in thresholds] for row in rows.values()],
-                exit_steps=[[round(row['exit'][t][1], 3) for t in thresholds] for row in rows.values()])
 
 if __name__ == '__main__':
     main()

@@ -460,11 +460,12 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
     for fixed, accuracy, steps in zip(record['fixed'], record['exit_accuracy'], record['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]  # (R = 1, R = 5) and the two thresholds
     assert len({a for row in record['fixed'] for a in row}) > 1  # the accuracies differ: the test can fail
-    mixed = record['mixed']  # 3 sequences whose runs need 1..3D = 1..6 steps
+    mixed = record['mixed']  # 3 sequences whose runs need 1..3D = 1..6 steps, drawn from seed 50000
     (x, y, need), hi = depth_exit.mixed_set(task, 2, 3)
     assert hi == 6 and mixed['difficulties'] == sorted(set(need[need > 0].tolist())) == list(range(1, 7))
-    assert torch.equal(x, depth_exit.mixed_set(task, 2, 3)[0][0])  # fixed by its seed
+    assert torch.equal(x, TaskBatches(task, 3, 'cpu', 1, 6).sample(torch.Generator().manual_seed(50_000))[0])
     assert task.solve(x[0].tolist())[0] == y[0].tolist()
+    assert mixed['answers'] == [int((need == d).sum()) for d in range(1, 7)] and mixed['tokens'] == 3 * BLOCK
     for fixed, accuracy, steps in zip(mixed['fixed'], mixed['exit_accuracy'], mixed['exit_steps']):
         assert accuracy == fixed and steps == [1.0, 5.0]
     assert mixed['token_steps'] == [1.0, 5.0]  # every token of the set, answers or not
@@ -481,6 +482,38 @@ def test_early_exit_on_a_depth_task_spans_the_fixed_depths(tmp_path, capsys, mon
         depth_exit.main([f'--out_dir={out}', '--criterion=entropy'])
     with pytest.raises(SystemExit, match='mixed must be a number of sequences >= 0'):
         depth_exit.main([f'--out_dir={out}', '--mixed=-1'])
+    depth_exit.main([f'--out_dir={out}', '--thresholds=1e9', '--max_steps=2', '--steps=1', '--examples=1',
+                     '--split=dev', f'--save_dir={tmp_path / "default"}', f'--criterion={criterion}',
+                     f'--in_order={in_order}'])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['mixed'] is None  # not asked for
+
+
+@pytest.mark.parametrize('threshold, in_order', [(1.0, False), (2.0, True)])
+def test_depth_exit_scores_each_answer_by_the_steps_it_needs(threshold, in_order):
+    """depth_exit.score on mixed sequences: each d's accuracy and mean exit step are those of the answers
+    that need d steps, and the token mean is over every token, answers or not, counted one by one."""
+    from experiments import depth_exit
+    from early_exit import EarlyExit, ExitingModel
+    task = make_task('compose', BLOCK)
+    model = tiny('grt', task.vocab_size)
+    (x, y, need), _ = depth_exit.mixed_set(task, 2, 3)
+    rows, token_steps = depth_exit.score(model, x, y, need, [1, 2, 6], [threshold], 5, [1, 5], 'state', in_order)
+    exiting = ExitingModel(model, EarlyExit(threshold=threshold, in_order=in_order))
+    exit_right = (exiting(x, y, num_steps=5)[0].argmax(-1) == y).tolist()
+    depth = exiting.exit_steps.tolist()
+    fixed_right = {r: (model(x, y, num_steps=r)[0].argmax(-1) == y).tolist() for r in (1, 5)}
+    cells = [(b, i) for b in range(x.size(0)) for i in range(x.size(1))]
+    assert len(set(d for row in depth for d in row)) > 1  # tokens stop at different steps: the means can differ
+    for d in (1, 2, 6):
+        at_d = [(b, i) for b, i in cells if need[b, i] == d]
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        assert rows[d]['exit'][threshold] == pytest.approx((mean([exit_right[b][i] for b, i in at_d]),
+                                                            mean([depth[b][i] for b, i in at_d])))
+        for r in (1, 5):
+            assert rows[d]['fixed'][r] == pytest.approx(mean([fixed_right[r][b][i] for b, i in at_d]))
+    assert token_steps[threshold] == pytest.approx(sum(depth[b][i] for b, i in cells) / len(cells))
+    assert token_steps[threshold] != pytest.approx(sum(depth[b][i] for b, i in cells if y[b, i] >= 0) /
+                                                   sum(1 for b, i in cells if y[b, i] >= 0))
 
 
 class Oracle(torch.nn.Module):
