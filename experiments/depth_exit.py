@@ -140,7 +140,7 @@ def main(argv=None):
     if c['tie'] < 0:
         fail(f"tie must be a number >= 0 (how far below the best dev accuracy a chosen threshold may be), "
              f"got {c['tie']}")
-    if isinstance(c['mixed'], bool) or not isinstance(c['mixed'], int) or c['mixed'] < 0:
+    if c['mixed'] < 0:  # read_settings has already made it an int
         fail(f"mixed must be a number of sequences >= 0 (0: none), e.g. --mixed=256; got {c['mixed']!r}")
     task = make_task(trained['dataset'], trained.get('block_size') or model.config.block_size)
     splits = parse_splits(c['split'], trained['difficulty'], task)
